@@ -1,0 +1,206 @@
+"""The meshnode command line: flags -> config -> trio.run.
+
+Exit codes: 0 success, 2 bad input (flags, ranges, routes), 1 any other
+typed failure (model, peer, wire), each printed as one ``meshnode: error:``
+line naming its code and, for a peer's failure, the hop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+import trio_asyncio
+
+from meshnode import __version__, errors
+from meshnode.executor.config import ExecConfig
+from meshnode.proto import node_pb2 as pb
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    if not sep or not a.strip().isdigit() or not b.strip().isdigit():
+        raise errors.LayerRangeError(f"--layers {text!r} is not A:B (two layer numbers, B exclusive)")
+    start, end = int(a), int(b)
+    if start >= end:
+        raise errors.LayerRangeError(f"--layers {text!r} is empty: A must be below B")
+    return start, end
+
+
+def _model(ns: argparse.Namespace) -> Path:
+    if ns.model:
+        return Path(ns.model)
+    from meshnode.models import pull
+
+    return pull()
+
+
+def _exec_config(ns: argparse.Namespace) -> ExecConfig:
+    base = ExecConfig()
+    return ExecConfig(
+        max_sessions=ns.max_sessions or base.max_sessions,
+        n_threads=ns.threads or base.n_threads,
+        n_threads_batch=ns.threads_batch or base.n_threads_batch,
+    )
+
+
+def _add_exec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=0, help="llama.cpp threads for decode (default: cores/2)")
+    p.add_argument("--threads-batch", type=int, default=0, help="llama.cpp threads for prefill (default: cores)")
+    p.add_argument("--max-sessions", type=int, default=0, help="concurrent sessions (KV sequences), default 4")
+
+
+# -- commands ---------------------------------------------------------------------
+
+
+def cmd_model_pull(ns: argparse.Namespace) -> int:
+    from meshnode.models import pull
+
+    print(pull(force=ns.force))
+    return 0
+
+
+def cmd_model_slice(ns: argparse.Namespace) -> int:
+    from meshnode.gguf import ensure_range
+
+    start, end = parse_layers(ns.layers)
+    art = ensure_range(_model(ns), start, end)
+    print(json.dumps({"dir": str(art.dir), "role": art.role.value, "range": [start, end],
+                      "range_digest": art.range_digest, "fingerprint": art.fingerprint}))
+    return 0
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from meshnode.executor._bindings import silence_llama_logs
+    from meshnode.node import NodeConfig, run_node
+
+    start, end = parse_layers(ns.layers)
+    cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns))
+    if not ns.verbose:
+        silence_llama_logs()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            addr = await nursery.start(run_node, cfg)
+            print(f"meshnode: serving layers {start}:{end} listening on {addr}", flush=True)
+
+    trio.run(main)
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from meshnode.session.initiator import GenerateConfig, generate
+
+    if ns.max_tokens < 1:
+        raise errors.InputError("--max-tokens must be at least 1")
+    if ns.temperature < 0:
+        raise errors.InputError("--temperature must be >= 0")
+    cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,
+                         wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32)
+    if ns.peer and ns.model:
+        raise errors.InputError("give either --peer (a route) or --model (the whole model here), not both")
+    if ns.peer:
+        async def main() -> object:
+            async with trio_asyncio.open_loop():
+                return await trio_asyncio.aio_as_trio(generate)(ns.peer, cfg)
+
+        result = trio.run(main)
+    else:
+        from meshnode.executor._bindings import silence_llama_logs
+        from meshnode.session.local import generate_local
+
+        silence_llama_logs()
+        result = generate_local(_model(ns), cfg, _exec_config(ns))
+    _print_result(result, ns.json)
+    return 0
+
+
+def _print_result(result: object, as_json: bool) -> None:
+    from meshnode.session.initiator import GenerationResult
+
+    assert isinstance(result, GenerationResult)
+    if as_json:
+        n = len(result.tokens)
+        print(json.dumps({
+            "text": result.text, "tokens": result.tokens, "prompt_tokens": result.prompt_tokens,
+            "stop_reason": result.stop_reason, "route": result.route,
+            "prefill_seconds": round(result.prefill_seconds, 6), "decode_seconds": round(result.decode_seconds, 6),
+            "decode_tokens_per_second": round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None,
+        }))
+    else:
+        print(result.text)
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from meshnode.demo import run_demo
+
+    return run_demo(prompt=ns.prompt, max_tokens=ns.max_tokens)
+
+
+# -- parser ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="meshnode", description="Run a GGUF model split by layer ranges across nodes.")
+    ap.add_argument("--version", action="version", version=f"meshnode {__version__}")
+    ap.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp and debug logs")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="the default model and range artifacts")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    pull = msub.add_parser("pull", help="download and verify the default model (SmolLM2-135M-Instruct Q4_1)")
+    pull.add_argument("--force", action="store_true", help="download again even if cached")
+    pull.set_defaults(func=cmd_model_pull)
+    sl = msub.add_parser("slice", help="cut a layer range artifact (done once, then cached)")
+    sl.add_argument("--model", help="GGUF file (default: the default model)")
+    sl.add_argument("--layers", required=True, help="A:B, layers A..B-1")
+    sl.set_defaults(func=cmd_model_slice)
+
+    serve = sub.add_parser("serve", help="serve one layer range")
+    serve.add_argument("--model", help="source GGUF file (default: the default model)")
+    serve.add_argument("--layers", required=True, help="A:B, layers A..B-1")
+    serve.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
+    _add_exec_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate text across a route, or with the whole model here")
+    gen.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")
+    gen.add_argument("--model", help="without --peer: run this whole GGUF here")
+    gen.add_argument("--prompt", required=True, help="raw completion text")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
+                     help="residual dtype on the wire; f16 is NOT bit-exact")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_exec_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="start a two-hop local route on the default model and generate")
+    demo.add_argument("--prompt", default="The three primary colors are")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    ns = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(ns.func(ns))
+    except errors.MeshnodeError as e:
+        print(f"meshnode: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, errors.InputError) else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Layer 1: raw bindings — llama-cpp-python's ctypes layer, and native/capture.c.
+
+Quotes of the C side this module relies on:
+
+* ``typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t,
+  bool ask, void * user_data);`` (ggml-backend.h)
+* ``const char * ggml_get_name(const struct ggml_tensor * tensor);``,
+  ``size_t ggml_nbytes(const struct ggml_tensor * tensor);`` (ggml.h)
+* ``void ggml_backend_tensor_get(const struct ggml_tensor * tensor,
+  void * data, size_t offset, size_t size);`` (ggml-backend.h)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import llama_cpp
+
+from meshnode.errors import ExecutorError
+
+LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
+
+
+class CaptureState(ctypes.Structure):
+    """Mirrors ``struct mn_capture`` in native/capture.c, field for field."""
+
+    _fields_ = [  # noqa: RUF012 - ctypes declares fields as a class attribute
+        ("get_name", ctypes.c_void_p),
+        ("nbytes", ctypes.c_void_p),
+        ("tensor_get", ctypes.c_void_p),
+        ("target", ctypes.c_char * 64),
+        ("dst", ctypes.c_void_p),
+        ("capacity", ctypes.c_size_t),
+        ("written", ctypes.c_size_t),
+        ("hits", ctypes.c_int32),
+        ("overflow", ctypes.c_int32),
+    ]
+
+
+def _find_capture_library() -> Path:
+    here = Path(__file__).parent
+    found = sorted(here.glob("_capture*.so"))
+    if not found:
+        raise ExecutorError(
+            f"the native capture library is not built (no _capture*.so in {here}); "
+            "reinstall meshnode with `pip install .` so setup.py compiles native/capture.c"
+        )
+    return found[0]
+
+
+@functools.cache
+def capture_library() -> ctypes.CDLL:
+    return ctypes.CDLL(str(_find_capture_library()))
+
+
+@functools.cache
+def ggml_base() -> ctypes.CDLL:
+    # the same file llama-cpp-python's libllama.so links against: dlopen returns
+    # the already-loaded instance, so the pointers below are the running ggml
+    return ctypes.CDLL(str(LIB_DIR / "libggml-base.so"))
+
+
+def _addr(fn: object) -> int:
+    value = ctypes.cast(fn, ctypes.c_void_p).value
+    if value is None:
+        raise ExecutorError(f"could not resolve native function {fn}")
+    return value
+
+
+def new_capture_state(target: str) -> CaptureState:
+    base = ggml_base()
+    state = CaptureState()
+    state.get_name = _addr(base.ggml_get_name)
+    state.nbytes = _addr(base.ggml_nbytes)
+    state.tensor_get = _addr(base.ggml_backend_tensor_get)
+    state.target = target.encode()
+    return state
+
+
+def capture_callback() -> object:
+    """``mn_capture_eval`` as a ggml_backend_sched_eval_callback for context params."""
+    return ctypes.cast(capture_library().mn_capture_eval, llama_cpp.ggml_backend_sched_eval_callback)
+
+
+@functools.cache
+def backend_init() -> None:
+    llama_cpp.llama_backend_init()
+
+
+_LOG_CB = None
+
+
+def silence_llama_logs() -> None:
+    """Route llama.cpp's log lines to nowhere (its loader is very chatty)."""
+    global _LOG_CB
+
+    @llama_cpp.llama_log_callback
+    def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        return None
+
+    _LOG_CB = _quiet  # keep a reference: llama.cpp holds the pointer
+    llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p())

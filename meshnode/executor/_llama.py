@@ -1,0 +1,278 @@
+"""Layer 2: owning wrappers over llama.cpp with typed errors.
+
+``LlamaRange`` owns one model, one context (several KV sequences, one per
+session) and its batches, and frees them through an ``ExitStack``. Every
+input is validated *before* it reaches llama.cpp, whose own failure mode for
+bad input is often a GGML_ASSERT that aborts the process.
+
+Not thread-safe: the executor API (api.py) serialises calls per instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+
+from meshnode.errors import (
+    CacheMissError,
+    CapacityError,
+    ExecutorError,
+    InputError,
+    ModelFormatError,
+    ShapeError,
+)
+from meshnode.executor import _bindings
+from meshnode.executor.config import ExecConfig
+from meshnode.gguf.arch import POLICIES
+from meshnode.gguf.slicer import RangeArtifact, Role
+
+F32 = npt.NDArray[np.float32]
+
+
+def _load_model(path: Path, *, vocab_only: bool = False) -> llama_cpp.llama_model_p:
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.vocab_only = vocab_only
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelFormatError(f"llama.cpp could not load {path}")
+    return model
+
+
+class Vocab:
+    """Tokenizer of a model file (llama.cpp, vocab only)."""
+
+    def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
+        model = _load_model(path, vocab_only=True)
+        stack.callback(llama_cpp.llama_model_free, model)
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_tokens = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """As llama.cpp does by default: BOS if the vocab wants it, specials parsed."""
+        raw = text.encode("utf-8")
+        cap = len(raw) + 8
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise InputError("prompt could not be tokenized")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+        return buf.raw[: max(n, 0)]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+
+class TokenTable:
+    """The head's own token-embedding lookup, from vocab.gguf's token_embd (mmap).
+
+    Rows are dequantized by the gguf package; for the quant types of the
+    default model this is bit-identical to ggml's get_rows (tested), and it
+    lets the head's range file carry no vocabulary-sized tensor at all.
+    """
+
+    def __init__(self, path: Path, scale: float | None) -> None:
+        reader = gguf.GGUFReader(path, "r")
+        (t,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
+        self._data = t.data
+        self._qtype = t.tensor_type
+        self.n_vocab = int(t.shape[1])
+        self._scale = None if scale is None else np.float32(scale)
+
+    def lookup(self, tokens: npt.NDArray[np.int32]) -> F32:
+        rows = self._data[tokens]
+        out = np.asarray(gguf.quants.dequantize(rows, self._qtype), dtype=np.float32)
+        if self._scale is not None:
+            out = out * self._scale  # float32 x float32, as ggml_scale
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+
+@dataclass
+class StepOutput:
+    #: [n_tokens, n_embd] residual after this range (non-tail), else None
+    residual: F32 | None
+    #: [n_vocab] logits of the last token (tail/whole), else None
+    logits: F32 | None
+
+
+class LlamaRange:
+    """One loaded range: model + context + batches, freed by ``close()``."""
+
+    def __init__(self, artifact: RangeArtifact, config: ExecConfig) -> None:
+        _bindings.backend_init()
+        self.artifact = artifact
+        self.config = config
+        self.role = artifact.role
+        self._stack = contextlib.ExitStack()
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # -- construction -----------------------------------------------------
+
+    def _open(self) -> None:
+        a = self.artifact
+        self._model = _load_model(a.range_path)
+        self._stack.callback(llama_cpp.llama_model_free, self._model)
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self.n_layer = int(llama_cpp.llama_model_n_layer(self._model))
+        if self.n_layer != a.end - a.start:
+            raise ModelFormatError(f"{a.range_path} has {self.n_layer} layers, manifest says {a.end - a.start}")
+        self.captures = self.role in (Role.HEAD, Role.MIDDLE)
+        self.takes_tokens = self.role in (Role.HEAD, Role.WHOLE)
+        self.vocab: Vocab | None = None
+        self.table: TokenTable | None = None
+        if self.role is Role.HEAD:
+            assert a.vocab_path is not None
+            self.vocab = Vocab(a.vocab_path, self._stack)
+            policy = POLICIES.get(a.manifest["source"]["arch"])
+            scale = math.sqrt(self.n_embd) if policy and policy.head_scales_by_sqrt_embd else None
+            self.table = TokenTable(a.vocab_path, scale)
+        elif self.role in (Role.TAIL, Role.WHOLE):
+            self.vocab = Vocab(a.range_path, self._stack)
+        self.n_vocab_out = self.vocab.n_tokens if self.vocab and not self.captures else 0
+        self._context()
+        self._batch_tok = self._batch(embd=0)
+        self._batch_emb = self._batch(embd=self.n_embd)
+        self._next_pos = [0] * self.config.max_sessions
+
+    def _context(self) -> None:
+        c = self.config
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = c.n_ctx_per_session * c.max_sessions
+        p.n_batch = c.n_batch
+        p.n_ubatch = c.n_ubatch
+        p.n_seq_max = c.max_sessions
+        p.n_threads = c.n_threads
+        p.n_threads_batch = c.n_threads_batch
+        p.kv_unified = False  # each session's KV exact and independent
+        p.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if c.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        p.embeddings = False
+        p.no_perf = True
+        if self.captures:
+            self._capture = _bindings.new_capture_state(f"l_out-{self.n_layer - 1}")
+            p.cb_eval = _bindings.capture_callback()
+            p.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._capture), ctypes.c_void_p)
+        self._ctx = llama_cpp.llama_init_from_model(self._model, p)
+        if not self._ctx:
+            raise ExecutorError("llama.cpp could not create a context (out of memory?)")
+        self._stack.callback(llama_cpp.llama_free, self._ctx)
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))
+
+    def _batch(self, *, embd: int) -> llama_cpp.llama_batch:
+        batch = llama_cpp.llama_batch_init(self.config.n_batch, embd, 1)
+        self._stack.callback(llama_cpp.llama_batch_free, batch)
+        return batch
+
+    def close(self) -> None:
+        self._stack.close()
+
+    # -- execution ----------------------------------------------------------
+
+    def next_pos(self, seq: int) -> int:
+        return self._next_pos[seq]
+
+    def release(self, seq: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._next_pos[seq] = 0
+
+    def _check(self, seq: int, pos0: int, n: int) -> None:
+        if not 0 <= seq < self.config.max_sessions:
+            raise CapacityError(f"sequence {seq} is outside this executor's {self.config.max_sessions} slots")
+        if n < 1 or n > self.config.n_batch:
+            raise ShapeError(f"a step carries {n} tokens; allowed 1..{self.config.n_batch}")
+        if pos0 != self._next_pos[seq]:
+            raise CacheMissError(
+                f"step starts at position {pos0} but this hop's KV cache holds positions "
+                f"0..{self._next_pos[seq] - 1}"
+            )
+        if pos0 + n > self.n_ctx_seq:
+            raise CapacityError(f"positions up to {pos0 + n} exceed the session context of {self.n_ctx_seq}")
+
+    def forward(self, seq: int, pos0: int, *, tokens: npt.NDArray[np.int32] | None = None,
+                embd: F32 | None = None) -> StepOutput:
+        """Run this range on one chunk of one session. Blocking."""
+        if self.role is Role.HEAD and tokens is not None:
+            assert self.table is not None
+            self._check_tokens(tokens)
+            embd, tokens = self.table.lookup(tokens), None
+        n = len(tokens) if tokens is not None else (0 if embd is None else embd.shape[0])
+        self._check(seq, pos0, n)
+        if tokens is not None:
+            if not self.takes_tokens:
+                raise ShapeError("this range takes a residual, not token ids")
+            self._check_tokens(tokens)
+            batch = self._fill(self._batch_tok, seq, pos0, n)
+            ctypes.memmove(batch.token, np.ascontiguousarray(tokens, dtype=np.int32).ctypes.data, n * 4)
+        else:
+            assert embd is not None
+            if embd.shape != (n, self.n_embd) or embd.dtype != np.float32:
+                raise ShapeError(f"residual has shape {embd.shape} {embd.dtype}; want ({n}, {self.n_embd}) float32")
+            batch = self._fill(self._batch_emb, seq, pos0, n)
+            ctypes.memmove(batch.embd, np.ascontiguousarray(embd).ctypes.data, embd.nbytes)
+        return self._decode(batch, seq, n)
+
+    def _check_tokens(self, tokens: npt.NDArray[np.int32]) -> None:
+        limit = self.table.n_vocab if self.table else (self.vocab.n_tokens if self.vocab else 0)
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= limit):
+            raise ShapeError(f"token ids must lie in [0, {limit})")
+
+    def _fill(self, batch: llama_cpp.llama_batch, seq: int, pos0: int, n: int) -> llama_cpp.llama_batch:
+        batch.n_tokens = n
+        all_out = self.captures  # every row's residual is needed downstream
+        for i in range(n):
+            batch.pos[i] = pos0 + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = 1 if (all_out or i == n - 1) else 0
+        return batch
+
+    def _decode(self, batch: llama_cpp.llama_batch, seq: int, n: int) -> StepOutput:
+        out: F32 | None = None
+        if self.captures:
+            out = np.empty((n, self.n_embd), dtype=np.float32)
+            cap = self._capture
+            cap.dst, cap.capacity = out.ctypes.data, out.nbytes
+            cap.written = cap.hits = cap.overflow = 0
+        rc = llama_cpp.llama_decode(self._ctx, batch)
+        if rc == 1:
+            raise CapacityError("llama.cpp found no free KV slot for this step")
+        if rc != 0:
+            # positions may be half-written: drop what this step added
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, self._next_pos[seq], -1)
+            raise ExecutorError(f"llama_decode failed with code {rc}")
+        self._next_pos[seq] += n
+        if out is not None:
+            if self._capture.overflow or self._capture.written != out.nbytes:
+                raise ExecutorError(
+                    f"residual capture got {self._capture.written} of {out.nbytes} bytes "
+                    f"({self._capture.hits} captures)"
+                )
+            return StepOutput(residual=out, logits=None)
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab_out,)).copy()
+        return StepOutput(residual=None, logits=logits)

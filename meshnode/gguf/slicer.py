@@ -1,0 +1,294 @@
+"""Cut a layer range [a, b) out of a GGUF without changing any tensor's bytes.
+
+The artifact of a range lives in ``<cache>/ranges/<fingerprint>/<a>-<b>/``:
+
+* ``range.gguf``  the layers, renumbered ``blk.0 ..``, with
+  ``{arch}.block_count = b - a`` and every per-layer array hyperparameter
+  sliced. A non-tail range carries a one-entry stand-in vocabulary
+  (``tokenizer.ggml.model = "none"``) and a 1-row ``token_embd``: llama.cpp's
+  loader insists on both tensors but never reads them, and a one-entry
+  vocabulary also shrinks the logits buffer llama.cpp allocates per output
+  row. No ``output.weight``: a non-tail range never computes the lm_head
+  (the residual is captured before it, see native/capture.c).
+  A tail carries the full vocabulary, ``token_embd``/``output`` and
+  ``output_norm``.
+* ``vocab.gguf`` (head only) the source's metadata and its ``token_embd``
+  tensor, unchanged: the head tokenizes with it (llama.cpp, vocab only) and
+  looks token rows up in it itself, feeding embeddings to layer 0.
+* ``manifest.json`` the source fingerprint (sha256 of the source file), the
+  range, and the sha256 of every tensor in the slice, plus a range digest
+  over them all. Written last: a directory with a manifest is complete, so
+  work already done is not redone.
+
+The whole model [0, n_layer) is not copied: its artifact is the source file.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from meshnode.errors import ModelFormatError
+from meshnode.gguf.arch import check_cut, swa_layers
+from meshnode.gguf.model import fingerprint, inspect_model, open_reader
+from meshnode.paths import cache_dir
+
+MANIFEST_FORMAT = "meshnode-range/1"
+#: bump when the slicer's output changes, so stale artifacts are rebuilt
+SLICER_VERSION = 1
+
+
+class Role(enum.StrEnum):
+    HEAD = "head"  # takes token ids
+    MIDDLE = "middle"  # residual in, residual out
+    TAIL = "tail"  # residual in, logits out
+    WHOLE = "whole"  # the whole model: tokens in, logits out
+
+
+def role_of(start: int, end: int, n_layer: int) -> Role:
+    if start == 0 and end == n_layer:
+        return Role.WHOLE
+    if start == 0:
+        return Role.HEAD
+    if end == n_layer:
+        return Role.TAIL
+    return Role.MIDDLE
+
+
+@dataclass(frozen=True)
+class RangeArtifact:
+    """A range ready to load: its files and its manifest."""
+
+    dir: Path
+    #: the GGUF llama.cpp loads for this range
+    range_path: Path
+    #: the head's vocabulary + token table (None for other roles)
+    vocab_path: Path | None
+    manifest: dict[str, Any]
+
+    @property
+    def role(self) -> Role:
+        return Role(self.manifest["role"])
+
+    @property
+    def start(self) -> int:
+        return int(self.manifest["range"][0])
+
+    @property
+    def end(self) -> int:
+        return int(self.manifest["range"][1])
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.manifest["source"]["fingerprint"])
+
+    @property
+    def n_layer_total(self) -> int:
+        return int(self.manifest["source"]["n_layer"])
+
+    @property
+    def range_digest(self) -> str:
+        return str(self.manifest["range_digest"])
+
+
+def _meta(reader: gguf.GGUFReader) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def _tensor_bytes(t: Any) -> bytes:
+    return bytes(np.ascontiguousarray(t.data).view(np.uint8).data)
+
+
+def tensor_sha256(t: Any) -> str:
+    return hashlib.sha256(np.ascontiguousarray(t.data).view(np.uint8).data).hexdigest()
+
+
+def range_digest(tensors: dict[str, dict[str, Any]]) -> str:
+    """One digest over every tensor of a range: sha256 of sorted 'name type shape sha' lines."""
+    lines = (
+        f"{name} {info['type']} {'x'.join(map(str, info['shape']))} {info['sha256']}\n"
+        for name, info in sorted(tensors.items())
+    )
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def _copy_kv(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, skip: Iterable[str]) -> None:
+    skipped = set(skip) | {"general.architecture"}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in skipped:
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if sub == gguf.GGUFValueType.ARRAY:
+            raise ModelFormatError(f"nested array metadata {key} is not supported")
+        writer.add_key_value(key, field.contents(), vtype, sub)
+
+
+def _add_raw(writer: gguf.GGUFWriter, name: str, t: Any) -> None:
+    """Add tensor ``t`` under ``name`` with its bytes unchanged."""
+    writer.add_tensor(name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+
+
+def _renamed(name: str, start: int, end: int) -> str | None:
+    """blk.N.* -> blk.(N-start).* for N in [start, end); None for other layers."""
+    if not name.startswith("blk."):
+        return name
+    idx_s, rest = name[4:].split(".", 1)
+    idx = int(idx_s)
+    if start <= idx < end:
+        return f"blk.{idx - start}.{rest}"
+    return None
+
+
+def _write_range(src: gguf.GGUFReader, meta: dict[str, Any], arch: str, n_layer: int,
+                 start: int, end: int, role: Role, out: Path) -> None:
+    writer = gguf.GGUFWriter(out, arch)
+    tiny_vocab = role in (Role.HEAD, Role.MIDDLE)
+    per_layer = {
+        k for k, v in meta.items()
+        if k.startswith(f"{arch}.") and isinstance(v, list) and len(v) == n_layer
+    }
+    skip = {f"{arch}.block_count", *per_layer}
+    if tiny_vocab:
+        skip |= {k for k in meta if k.startswith("tokenizer.")} | {f"{arch}.vocab_size"}
+    _copy_kv(writer, src, skip)
+    writer.add_uint32(f"{arch}.block_count", end - start)
+    for key in sorted(per_layer):
+        field = src.fields[key]
+        writer.add_key_value(key, meta[key][start:end], field.types[0], field.types[1])
+    swa = swa_layers(meta, arch, n_layer)
+    if swa is not None:
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", swa[start:end])
+    if tiny_vocab:
+        writer.add_string("tokenizer.ggml.model", "none")
+        writer.add_uint32(f"{arch}.vocab_size", 1)
+    n_embd = int(meta[f"{arch}.embedding_length"])
+    for t in src.tensors:
+        name = _renamed(t.name, start, end)
+        if name is None:
+            continue
+        if tiny_vocab and name == "token_embd.weight":
+            writer.add_tensor(name, np.zeros((1, n_embd), dtype=np.float32))
+        elif tiny_vocab and name == "output.weight":
+            continue
+        else:
+            _add_raw(writer, name, t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_vocab(src: gguf.GGUFReader, arch: str, out: Path) -> None:
+    """The head's vocabulary: all metadata, zero layers, and token_embd unchanged."""
+    writer = gguf.GGUFWriter(out, arch)
+    _copy_kv(writer, src, {f"{arch}.block_count"})
+    writer.add_uint32(f"{arch}.block_count", 0)
+    for t in src.tensors:
+        if t.name == "token_embd.weight":
+            _add_raw(writer, t.name, t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tensor_table(path: Path) -> dict[str, dict[str, Any]]:
+    """name -> {type, shape, sha256} for every tensor of a GGUF file."""
+    reader = open_reader(path)
+    return {
+        t.name: {
+            "type": t.tensor_type.name,
+            "shape": [int(x) for x in t.shape],
+            "sha256": tensor_sha256(t),
+        }
+        for t in reader.tensors
+    }
+
+
+def artifact_dir(fp: str, start: int, end: int) -> Path:
+    return cache_dir() / "ranges" / fp[:32] / f"{start}-{end}"
+
+
+def _load(dir_: Path, source: Path) -> RangeArtifact | None:
+    mpath = dir_ / "manifest.json"
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, ValueError):
+        return None
+    if manifest.get("format") != MANIFEST_FORMAT or manifest.get("slicer") != SLICER_VERSION:
+        return None
+    role = Role(manifest["role"])
+    range_path = source if role is Role.WHOLE else dir_ / "range.gguf"
+    vocab = dir_ / "vocab.gguf" if role is Role.HEAD else None
+    for f in (range_path, vocab):
+        if f is not None and not f.exists():
+            return None
+    return RangeArtifact(dir_, range_path, vocab, manifest)
+
+
+def ensure_range(source: Path, start: int, end: int) -> RangeArtifact:
+    """The artifact of [start, end) of ``source``, cut now unless already cut."""
+    info = inspect_model(source)
+    reader = open_reader(source)
+    meta = _meta(reader)
+    check_cut(meta, info.arch, info.n_layer, start, end)
+    fp = fingerprint(source)
+    dir_ = artifact_dir(fp, start, end)
+    done = _load(dir_, source)
+    if done is not None:
+        return done
+    role = role_of(start, end, info.n_layer)
+    dir_.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{start}-{end}.", dir=dir_.parent))
+    try:
+        files: dict[str, Path] = {}
+        if role is not Role.WHOLE:
+            _write_range(reader, meta, info.arch, info.n_layer, start, end, role, tmp / "range.gguf")
+            files["range.gguf"] = tmp / "range.gguf"
+        if role is Role.HEAD:
+            _write_vocab(reader, info.arch, tmp / "vocab.gguf")
+            files["vocab.gguf"] = tmp / "vocab.gguf"
+        tensors = tensor_table(files.get("range.gguf", source))
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "slicer": SLICER_VERSION,
+            "source": {
+                "fingerprint": fp,
+                "name": info.name,
+                "arch": info.arch,
+                "n_layer": info.n_layer,
+                "n_embd": info.n_embd,
+                "file": str(source.resolve()),
+            },
+            "range": [start, end],
+            "role": role.value,
+            "tensors": tensors,
+            "range_digest": range_digest(tensors),
+            "vocab_tensors": tensor_table(files["vocab.gguf"]) if "vocab.gguf" in files else {},
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if dir_.exists():
+            shutil.rmtree(dir_)
+        tmp.rename(dir_)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    loaded = _load(dir_, source)
+    assert loaded is not None
+    return loaded

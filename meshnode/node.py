@@ -1,0 +1,91 @@
+"""The composition root of a node: range artifact -> executor -> gRPC service.
+
+One nursery holds every component; ``run_node`` reports the bound address
+through ``task_status.started`` once the node really serves.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import trio
+import trio_asyncio
+
+from meshnode import __version__
+from meshnode.executor import ExecConfig, RangeExecutor
+from meshnode.gguf import ensure_range, inspect_model
+from meshnode.gguf.slicer import RangeArtifact, Role
+from meshnode.proto import node_pb2 as pb
+from meshnode.session.hop import HopLimits
+from meshnode.transport.server import serve_grpc, split_hostport
+from meshnode.transport.servicer import NodeServicer
+from meshnode.wire import codec
+from meshnode.wire.schema import SCHEMA_VERSION, SERVICE_NAME
+
+log = logging.getLogger("meshnode.node")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    #: the source GGUF the range is cut from
+    model: Path
+    #: first layer served
+    start: int
+    #: one past the last layer served
+    end: int
+    #: HOST:PORT to listen on; port 0 picks a free port
+    listen: str = "127.0.0.1:0"
+    #: llama.cpp settings; numerics ones must be equal on every hop
+    executor: ExecConfig = field(default_factory=ExecConfig)
+    #: per-session bounds this node proposes
+    limits: HopLimits = field(default_factory=HopLimits)
+
+
+def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits) -> pb.Capability:
+    src = artifact.manifest["source"]
+    return pb.Capability(
+        schema_version=SCHEMA_VERSION,
+        service=SERVICE_NAME,
+        node_version=__version__,
+        model_fingerprint=artifact.fingerprint,
+        model_name=src["name"],
+        arch=src["arch"],
+        n_layer=src["n_layer"],
+        n_embd=src["n_embd"],
+        range=pb.LayerRange(start=artifact.start, end=artifact.end),
+        range_digest=artifact.range_digest,
+        role=artifact.role.value,
+        has_vocab=artifact.role is not Role.MIDDLE,
+        numerics=codec.numerics_to_pb(config),
+        limits=pb.FlowLimits(max_chunk_bytes=limits.max_chunk_bytes,
+                             max_prefill_chunk_tokens=min(limits.max_prefill_chunk_tokens, config.n_batch),
+                             credits=limits.credits),
+        max_sessions=config.max_sessions,
+        llama_build=f"llama-cpp-python {llama_cpp.__version__}",
+    )
+
+
+def prepare(config: NodeConfig) -> RangeArtifact:
+    """Validate the model and range, cutting the range artifact if it is not cut yet."""
+    split_hostport(config.listen)
+    inspect_model(config.model)
+    return ensure_range(config.model, config.start, config.end)
+
+
+async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    artifact = await trio.to_thread.run_sync(prepare, config)
+    executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
+    try:
+        cap = capability(artifact, config.executor, config.limits)
+        host, _ = split_hostport(config.listen)
+        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen)
+            addr = await nursery.start(serve_grpc, servicer, config.listen)
+            servicer.endpoint = addr
+            log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
+            task_status.started(addr)
+    finally:
+        executor.close()

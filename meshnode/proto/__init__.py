@@ -1,0 +1,1 @@
+"""Generated from proto/meshnode/proto/*.proto by `python -m meshnode.wire.codegen`. Do not edit."""

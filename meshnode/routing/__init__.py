@@ -1,0 +1,1 @@
+"""Route choice and checking: pure functions over peers' capabilities."""

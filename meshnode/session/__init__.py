@@ -1,0 +1,1 @@
+"""Route sessions: the hop side (hop.py) and the initiator side (initiator.py)."""

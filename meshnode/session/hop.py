@@ -1,0 +1,268 @@
+"""The hop side of a route session: one ``HopSession`` per Session stream.
+
+Runs as asyncio coroutines on the trio-asyncio loop (docs/architecture.md,
+"the bridge": every trio<->asyncio crossing costs ~50-100 µs, so the
+per-token path stays on one side). Per frame:
+
+    read upstream -> validate -> llama.cpp on the executor thread
+      -> (non-tail) write the residual downstream, read its result
+      -> write the result upstream
+
+A failing step is answered with a typed ``Error`` frame; only terminal
+errors end the stream. Whatever happens, ``close()`` frees the KV slot and
+closes the downstream stream, so a session never leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from meshnode import errors
+from meshnode.executor.api import RangeExecutor
+from meshnode.proto import node_pb2 as pb
+from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.session.sampling import sample
+from meshnode.wire import codec
+from meshnode.wire.schema import SCHEMA_VERSION
+from meshnode.wire.tensors import decode_bundle, encode_bundle
+
+
+@dataclass(frozen=True)
+class HopLimits:
+    """This node's own bounds for sessions (the strictest side wins at open)."""
+
+    #: max bytes per fragment of a tensor bundle
+    max_chunk_bytes: int = 1 << 20
+    #: max tokens per prefill step (also bounded by the executor's n_batch)
+    max_prefill_chunk_tokens: int = 512
+    #: max unanswered steps per session
+    credits: int = 4
+    #: seconds a downstream hop may take to answer a step without a deadline
+    step_timeout: float = 30.0
+
+
+def negotiate(a: pb.FlowLimits, b: pb.FlowLimits) -> pb.FlowLimits:
+    """The strictest of two proposals, field by field (0 = no proposal)."""
+
+    def pick(x: int, y: int) -> int:
+        return min(v for v in (x, y) if v) if (x or y) else 0
+
+    return pb.FlowLimits(
+        max_chunk_bytes=pick(a.max_chunk_bytes, b.max_chunk_bytes),
+        max_prefill_chunk_tokens=pick(a.max_prefill_chunk_tokens, b.max_prefill_chunk_tokens),
+        credits=pick(a.credits, b.credits),
+    )
+
+
+@dataclass
+class Downstream:
+    channel: grpc.aio.Channel
+    call: grpc.aio.StreamStreamCall
+    endpoint: str
+
+    async def exchange(self, frame: pb.SessionFrame, timeout: float | None) -> pb.SessionReply:
+        try:
+            await self.call.write(frame)
+            reply = await asyncio.wait_for(self.call.read(), timeout)
+        except TimeoutError:
+            raise errors.DeadlineError(f"no answer within {timeout:.1f}s", hop=self.endpoint) from None
+        except grpc.aio.AioRpcError as e:
+            raise errors.PeerError(f"stream failed: {e.code().name} {e.details()}", hop=self.endpoint) from e
+        if reply is grpc.aio.EOF:
+            raise errors.PeerError("closed the session stream", hop=self.endpoint)
+        assert isinstance(reply, pb.SessionReply)
+        return reply
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.call.done_writing()
+        self.call.cancel()
+        await self.channel.close(grace=None)
+
+
+@dataclass
+class HopSession:
+    executor: RangeExecutor
+    capability: pb.Capability
+    limits: HopLimits
+    endpoint: str
+    session_id: str = ""
+    epoch: int = 0
+    slot: int | None = None
+    open_msg: pb.SessionOpen | None = None
+    negotiated: pb.FlowLimits = field(default_factory=pb.FlowLimits)
+    downstream: Downstream | None = None
+    last_step_id: int = 0
+    last_result: pb.StepResult | None = None
+    cancelled_work: set[str] = field(default_factory=set)
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+
+    # -- open -----------------------------------------------------------------
+
+    async def open(self, frame: pb.SessionFrame) -> pb.SessionAccepted:
+        o = frame.open
+        self.session_id, self.epoch, self.open_msg = o.route_session_id, o.route_epoch, o
+        cap = self.capability
+        if o.schema_version != SCHEMA_VERSION:
+            raise errors.SchemaError(f"schema version {o.schema_version} is not {SCHEMA_VERSION}")
+        if o.model_fingerprint != cap.model_fingerprint:
+            raise errors.FingerprintMismatchError(
+                f"this node serves model {cap.model_fingerprint[:12]}…, not {o.model_fingerprint[:12]}…"
+            )
+        if (o.range.start, o.range.end) != (cap.range.start, cap.range.end):
+            raise errors.RangeMismatchError(
+                f"this node serves layers {cap.range.start}:{cap.range.end}, not {o.range.start}:{o.range.end}"
+            )
+        if o.HasField("numerics") and codec.numerics_key(o.numerics) != codec.numerics_key(cap.numerics):
+            raise errors.RouteError(f"numerics {o.numerics} differ from this node's {cap.numerics}")
+        if bool(o.downstream) == (cap.range.end == cap.n_layer):
+            raise errors.RouteError("a tail has no downstream hop and every other hop has one")
+        own = pb.FlowLimits(
+            max_chunk_bytes=self.limits.max_chunk_bytes,
+            max_prefill_chunk_tokens=min(self.limits.max_prefill_chunk_tokens, cap.numerics.n_batch),
+            credits=self.limits.credits,
+        )
+        self.negotiated = negotiate(own, o.limits)
+        self.rng = np.random.default_rng(o.sampling.seed)
+        self.slot = self.executor.open_slot()
+        hops = [cap]
+        if o.downstream:
+            accepted = await self._open_downstream(o)
+            self.negotiated = negotiate(self.negotiated, accepted.limits)
+            hops.extend(accepted.hops)
+        return pb.SessionAccepted(
+            route_session_id=o.route_session_id, route_epoch=o.route_epoch, limits=self.negotiated, hops=hops
+        )
+
+    async def _open_downstream(self, o: pb.SessionOpen) -> pb.SessionAccepted:
+        nxt = o.downstream[0]
+        channel = grpc.aio.insecure_channel(nxt.endpoint, options=channel_options())
+        call = pb_grpc.NodeStub(channel).Session()
+        self.downstream = Downstream(channel, call, nxt.endpoint)
+        fwd = pb.SessionOpen()
+        fwd.CopyFrom(o)
+        fwd.range.CopyFrom(nxt.range)
+        del fwd.downstream[:]
+        fwd.downstream.extend(o.downstream[1:])
+        fwd.limits.CopyFrom(self.negotiated)
+        frame = pb.SessionFrame(route_session_id=o.route_session_id, route_epoch=o.route_epoch, open=fwd)
+        timeout = codec.seconds_left(o.deadline_unix_nanos) or self.limits.step_timeout
+        reply = await self.downstream.exchange(frame, timeout)
+        if reply.HasField("error"):
+            raise codec.error_from_pb(reply.error)
+        if not reply.HasField("accepted"):
+            raise errors.PeerError("answered the open with something else", hop=nxt.endpoint)
+        return reply.accepted
+
+    # -- steps ------------------------------------------------------------------
+
+    async def step(self, frame: pb.SessionFrame) -> pb.SessionReply:
+        s = frame.step
+        if frame.route_epoch != self.epoch:
+            raise errors.SessionError(f"route epoch {frame.route_epoch} is stale (session is at {self.epoch})")
+        left = codec.seconds_left(s.deadline_unix_nanos)
+        if left is not None and left <= 0:
+            raise errors.DeadlineError(f"step {s.step_id} arrived {-left:.3f}s past its deadline")
+        if s.step_id <= self.last_step_id:
+            dup = pb.StepResult(step_id=s.step_id, duplicate=True)
+            if self.last_result is not None and s.step_id == self.last_step_id:
+                dup.CopyFrom(self.last_result)
+                dup.duplicate = True
+            return pb.SessionReply(route_session_id=self.session_id, result=dup)
+        if s.work_id and s.work_id in self.cancelled_work:
+            raise errors.CancelledError(f"work item {s.work_id} was cancelled")
+        result = await self._execute(frame, left)
+        self.last_step_id, self.last_result = s.step_id, result
+        return pb.SessionReply(route_session_id=self.session_id, result=result)
+
+    async def _execute(self, frame: pb.SessionFrame, left: float | None) -> pb.StepResult:
+        s = frame.step
+        assert self.slot is not None and self.open_msg is not None
+        ex = self.executor
+        n_past = ex.next_pos(self.slot)
+        if s.cache.n_past != n_past:
+            raise errors.CacheMissError(f"step expects {s.cache.n_past} cached positions; this hop holds {n_past}")
+        tokens = embd = None
+        if ex.takes_tokens:
+            if s.HasField("activation") or not s.tokens:
+                raise errors.ShapeError("this hop is the head: a step must carry token ids")
+            tokens = np.asarray(s.tokens, dtype=np.int32)
+            n = len(tokens)
+        else:
+            if not s.HasField("activation"):
+                raise errors.ShapeError("this hop takes a residual: a step must carry an activation")
+            embd = decode_bundle(s.activation, n_cols=ex.n_embd, max_chunk_bytes=self.negotiated.max_chunk_bytes)
+            n = embd.shape[0]
+            if s.activation.pos_start != n_past:
+                raise errors.CacheMissError(f"activation starts at position {s.activation.pos_start}, not {n_past}")
+        if n > self.negotiated.max_prefill_chunk_tokens:
+            raise errors.ShapeError(f"step carries {n} tokens; the negotiated maximum is "
+                                    f"{self.negotiated.max_prefill_chunk_tokens}")
+        timed = await ex.forward(self.slot, n_past, tokens=tokens, embd=embd)
+        timing = pb.HopTiming(endpoint=self.endpoint, compute_nanos=timed.compute_nanos,
+                              bytes_in=s.activation.total_bytes if embd is not None else 4 * n)
+        out = timed.output
+        if out.residual is not None:
+            return await self._forward(frame, out.residual, n_past, timing, left)
+        assert out.logits is not None
+        result = pb.StepResult(step_id=s.step_id, timings=[timing])
+        if s.sample:
+            o = self.open_msg.sampling
+            tok = sample(out.logits, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p or 1.0, rng=self.rng)
+            vocab = ex.vocab
+            assert vocab is not None
+            result.token = tok
+            result.piece = vocab.piece(tok)
+            result.end_of_generation = vocab.is_eog(tok)
+        if self.open_msg.return_logits:
+            result.logits.CopyFrom(encode_bundle(out.logits[None, :], max_chunk_bytes=1 << 30))
+        return result
+
+    async def _forward(self, frame: pb.SessionFrame, residual: np.ndarray, n_past: int,
+                       timing: pb.HopTiming, left: float | None) -> pb.StepResult:
+        assert self.downstream is not None and self.open_msg is not None
+        s = frame.step
+        bundle = encode_bundle(residual, dtype=self.open_msg.wire_dtype or pb.DTYPE_F32, pos_start=n_past,
+                               max_chunk_bytes=self.negotiated.max_chunk_bytes)
+        fwd = pb.Step(step_id=s.step_id, work_id=s.work_id, cache=s.cache, activation=bundle,
+                      sample=s.sample, deadline_unix_nanos=s.deadline_unix_nanos)
+        out = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd)
+        reply = await self.downstream.exchange(out, left if left is not None else self.limits.step_timeout)
+        if reply.HasField("error"):
+            raise codec.error_from_pb(reply.error)
+        if not reply.HasField("result"):
+            raise errors.PeerError("answered a step with something else", hop=self.downstream.endpoint)
+        result = reply.result
+        result.timings.insert(0, timing)
+        return result
+
+    # -- control ------------------------------------------------------------------
+
+    async def relay(self, frame: pb.SessionFrame) -> None:
+        """Pass a control frame (credit, cancel, release) on downstream, best effort."""
+        if self.downstream is not None:
+            with contextlib.suppress(errors.MeshnodeError):
+                await self.downstream.exchange(frame, self.limits.step_timeout)
+
+    async def close(self) -> None:
+        """Free the KV slot and the downstream stream. Idempotent."""
+        if self.downstream is not None:
+            down, self.downstream = self.downstream, None
+            await down.close()
+        if self.slot is not None:
+            slot, self.slot = self.slot, None
+            await self.executor.release(slot)
+
+
+def channel_options() -> list[tuple[str, int]]:
+    # bundles are bounded by max_prefill_chunk_tokens x n_embd x 4 bytes (+ logits
+    # when asked): 64 MiB leaves room for wide models without being unbounded
+    return [
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_receive_message_length", 64 << 20),
+    ]

@@ -1,0 +1,60 @@
+"""Clients of other nodes' unary RPCs, with grpc errors translated to typed ones."""
+
+from __future__ import annotations
+
+import grpc
+
+from meshnode import errors
+from meshnode.proto import node_pb2 as pb
+from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.session.hop import channel_options
+from meshnode.wire.schema import SCHEMA_VERSION, SERVICE_NAME
+
+
+def open_channel(endpoint: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(endpoint, options=channel_options())
+
+
+def translate(e: grpc.aio.AioRpcError, endpoint: str, what: str) -> errors.MeshnodeError:
+    code = e.code()
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return errors.NotAMeshnodeError(f"does not speak the meshnode protocol ({what}: UNIMPLEMENTED)", hop=endpoint)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DeadlineError(f"{what} timed out", hop=endpoint)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return errors.PeerError(f"unreachable or not a gRPC server ({e.details()})", hop=endpoint)
+    return errors.PeerError(f"{what} failed: {code.name} {e.details()}", hop=endpoint)
+
+
+async def get_capability(endpoint: str, timeout: float = 5.0) -> pb.Capability:
+    """The peer's capability; NotAMeshnodeError if it is some other server."""
+    async with open_channel(endpoint) as ch:
+        try:
+            cap: pb.Capability = await pb_grpc.NodeStub(ch).GetCapability(
+                pb.CapabilityRequest(schema_version=SCHEMA_VERSION), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, endpoint, "GetCapability") from e
+    if cap.service != SERVICE_NAME:
+        raise errors.NotAMeshnodeError(f"answers as {cap.service!r}, not {SERVICE_NAME!r}", hop=endpoint)
+    if cap.schema_version != SCHEMA_VERSION:
+        raise errors.SchemaError(f"speaks schema {cap.schema_version}, this client {SCHEMA_VERSION}", hop=endpoint)
+    return cap
+
+
+async def tokenize(endpoint: str, text: str, timeout: float = 10.0) -> list[int]:
+    async with open_channel(endpoint) as ch:
+        try:
+            reply = await pb_grpc.NodeStub(ch).Tokenize(
+                pb.TokenizeRequest(text=text, add_special=True, parse_special=True), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, endpoint, "Tokenize") from e
+    return list(reply.tokens)
+
+
+async def health(endpoint: str, timeout: float = 5.0) -> pb.HealthReply:
+    async with open_channel(endpoint) as ch:
+        try:
+            reply: pb.HealthReply = await pb_grpc.NodeStub(ch).Health(pb.HealthRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, endpoint, "Health") from e
+    return reply

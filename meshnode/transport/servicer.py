@@ -1,0 +1,161 @@
+"""The Node gRPC service: dispatches frames to HopSessions, translates errors.
+
+Every frame on a Session stream gets exactly one reply, so the stream stays
+in lock step. Errors are translated here, at the boundary: a MeshnodeError
+becomes an ``Error`` frame carrying its code; anything else is a bug, logged
+and answered as INTERNAL (terminal) — the node keeps serving other sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+
+from meshnode import errors
+from meshnode.executor.api import RangeExecutor
+from meshnode.proto import node_pb2 as pb
+from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.session.hop import HopLimits, HopSession
+from meshnode.wire import codec
+
+log = logging.getLogger("meshnode.node")
+
+
+class NodeServicer(pb_grpc.NodeServicer):
+    def __init__(self, executor: RangeExecutor, capability: pb.Capability, limits: HopLimits,
+                 endpoint: str) -> None:
+        self.executor = executor
+        self.capability = capability
+        self.limits = limits
+        self.endpoint = endpoint
+        self.sessions: dict[str, HopSession] = {}
+        #: ids cancelled before (or without) their open
+        self.cancelled: set[str] = set()
+        self.serving = True
+
+    # -- unary --------------------------------------------------------------------
+
+    async def GetCapability(self, request: pb.CapabilityRequest, context: Any) -> pb.Capability:
+        return self.capability
+
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
+        ex = self.executor
+        return pb.HealthReply(serving=self.serving, live_sessions=ex.live_slots, free_sessions=ex.free_slots,
+                              steps_total=ex.steps_total)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeReply:
+        vocab = self.executor.vocab
+        if vocab is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node's range carries no vocabulary")
+        assert vocab is not None
+        return pb.TokenizeReply(tokens=vocab.tokenize(request.text, add_special=request.add_special,
+                                                      parse_special=request.parse_special))
+
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
+        s = self.sessions.pop(request.route_session_id, None)
+        if s is None:
+            return pb.ReleaseReply(released=False)
+        await s.close()
+        return pb.ReleaseReply(released=True)
+
+    async def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelReply:
+        sid, work = request.route_session_id, request.work_id
+        s = self.sessions.get(sid)
+        if work:
+            if s is None or work in s.cancelled_work:
+                return pb.CancelReply(cancelled=False)
+            s.cancelled_work.add(work)
+            return pb.CancelReply(cancelled=True)
+        fresh = sid not in self.cancelled
+        self.cancelled.add(sid)
+        if s is not None:
+            self.sessions.pop(sid, None)
+            await s.close()
+        return pb.CancelReply(cancelled=fresh)
+
+    # -- the session stream ---------------------------------------------------------
+
+    async def Session(self, request_iterator: Any, context: Any) -> None:
+        session = HopSession(self.executor, self.capability, self.limits, self.endpoint)
+        try:
+            first = await context.read()
+            if first is grpc.aio.EOF:
+                return
+            if not await self._open(session, first, context):
+                return
+            while True:
+                frame = await context.read()
+                if frame is grpc.aio.EOF:
+                    return
+                if not await self._frame(session, frame, context):
+                    return
+        finally:
+            if self.sessions.get(session.session_id) is session:
+                del self.sessions[session.session_id]
+            await session.close()
+
+    async def _open(self, session: HopSession, frame: pb.SessionFrame, context: Any) -> bool:
+        sid = frame.route_session_id
+        try:
+            if not frame.HasField("open"):
+                raise errors.UnknownSessionError(f"session {sid!r} was never opened on this hop")
+            if not self.serving:
+                raise errors.CapacityError("this node is draining and takes no new sessions")
+            if sid in self.cancelled:
+                raise errors.CancelledError(f"session {sid} was cancelled before it opened")
+            if sid in self.sessions:
+                raise errors.SessionError(f"session {sid} is already open on this hop")
+            accepted = await session.open(frame)
+        except errors.MeshnodeError as e:
+            await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
+                e, hop=self.endpoint, terminal=True)))
+            return False
+        self.sessions[sid] = session
+        await context.write(pb.SessionReply(route_session_id=sid, accepted=accepted))
+        return True
+
+    async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: Any) -> bool:
+        """Answer one frame; False once the session is over."""
+        sid = session.session_id
+        kind = frame.WhichOneof("body")
+        try:
+            if frame.route_session_id != sid:
+                raise errors.SessionError(f"frame for session {frame.route_session_id!r} on the stream of {sid!r}")
+            if sid in self.cancelled or sid not in self.sessions:
+                raise errors.CancelledError(f"session {sid} was cancelled or released")
+            if kind == "step":
+                reply = await session.step(frame)
+            elif kind == "credit":
+                reply = pb.SessionReply(route_session_id=sid, credit=frame.credit)
+            elif kind == "cancel":
+                await session.relay(frame)
+                if frame.cancel.work_id:
+                    session.cancelled_work.add(frame.cancel.work_id)
+                    reply = pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
+                        errors.CancelledError(f"work item {frame.cancel.work_id} cancelled"),
+                        hop=self.endpoint, terminal=False))
+                else:
+                    await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
+                        errors.CancelledError("session cancelled"), hop=self.endpoint, terminal=True)))
+                    return False
+            elif kind == "release":
+                await session.relay(frame)
+                await session.close()
+                await context.write(pb.SessionReply(route_session_id=sid, released=True))
+                return False
+            else:
+                raise errors.SessionError(f"unexpected frame {kind!r} inside an open session")
+        except errors.MeshnodeError as e:
+            err = codec.error_to_pb(e, hop=self.endpoint,
+                                    step_id=frame.step.step_id if kind == "step" else 0)
+            await context.write(pb.SessionReply(route_session_id=sid, error=err))
+            return not err.terminal
+        except Exception as e:  # a bug: answer, log, keep serving others
+            log.exception("internal error in session %s", sid)
+            await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
+                errors.MeshnodeError(f"internal error: {e!r}"), hop=self.endpoint, terminal=True)))
+            return False
+        await context.write(reply)
+        return True

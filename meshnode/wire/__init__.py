@@ -1,0 +1,1 @@
+"""Protobuf <-> domain types: tensor bundles, fragments, checksums, error codes."""
