@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,9 +86,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         silence_llama_logs()
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            addr = await nursery.start(run_node, cfg)
-            print(f"meshnode: serving layers {start}:{end} listening on {addr}", flush=True)
+        # SIGTERM/SIGINT cancel the node's nursery: sessions end, the server
+        # stops with a bounded grace period, the executor frees its context
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                addr = await nursery.start(run_node, cfg)
+                print(f"meshnode: serving layers {start}:{end} listening on {addr}", flush=True)
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
 
     trio.run(main)
     return 0
@@ -130,7 +137,9 @@ def _print_result(result: object, as_json: bool) -> None:
             "text": result.text, "tokens": result.tokens, "prompt_tokens": result.prompt_tokens,
             "stop_reason": result.stop_reason, "route": result.route,
             "prefill_seconds": round(result.prefill_seconds, 6), "decode_seconds": round(result.decode_seconds, 6),
-            "decode_tokens_per_second": round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None,
+            "decode_tokens_per_second": (
+                round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
+            ),
         }))
     else:
         print(result.text)

@@ -29,7 +29,9 @@ def run_demo(prompt: str, max_tokens: int) -> int:
 
         async def main() -> GenerationResult:
             async with trio_asyncio.open_loop():
-                return await trio_asyncio.aio_as_trio(generate)(peers, GenerateConfig(prompt=prompt, max_tokens=max_tokens))
+                cfg = GenerateConfig(prompt=prompt, max_tokens=max_tokens)
+                result: GenerationResult = await trio_asyncio.aio_as_trio(generate)(peers, cfg)
+                return result
 
         result = trio.run(main)
     print(prompt + result.text)

@@ -11,10 +11,12 @@ import contextlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from meshnode.errors import PeerError
 
@@ -26,6 +28,12 @@ class NodeProcess:
     proc: subprocess.Popen[str]
     endpoint: str
     layers: str
+    #: the node's stderr (a temporary file)
+    log: IO[str]
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -35,12 +43,16 @@ class NodeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
 
 
 def start_node(model: Path, layers: str, *, extra: Sequence[str] = (), timeout: float = 120.0) -> NodeProcess:
     cmd = [sys.executable, "-m", "meshnode", "serve", "--model", str(model), "--layers", layers,
            "--listen", "127.0.0.1:0", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile(mode="w+")  # owned (and closed) by NodeProcess
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -49,10 +61,13 @@ def start_node(model: Path, layers: str, *, extra: Sequence[str] = (), timeout: 
             break
         m = LISTENING.search(line)
         if m:
-            return NodeProcess(proc, m.group(1), layers)
+            return NodeProcess(proc, m.group(1), layers, log)
     proc.kill()
-    err = proc.stderr.read() if proc.stderr else ""
-    raise PeerError(f"node for layers {layers} did not start: {err.strip()[-400:]}")
+    proc.wait()
+    log.seek(0)
+    err = log.read()
+    log.close()
+    raise PeerError(f"node for layers {layers} did not start: {err.strip()[-600:]}")
 
 
 @contextlib.contextmanager

@@ -80,7 +80,6 @@ async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = tr
     executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
     try:
         cap = capability(artifact, config.executor, config.limits)
-        host, _ = split_hostport(config.listen)
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
             servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen)
             addr = await nursery.start(serve_grpc, servicer, config.listen)

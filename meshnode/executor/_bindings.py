@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 
@@ -26,7 +27,7 @@ LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
 class CaptureState(ctypes.Structure):
     """Mirrors ``struct mn_capture`` in native/capture.c, field for field."""
 
-    _fields_ = [  # noqa: RUF012 - ctypes declares fields as a class attribute
+    _fields_ = [
         ("get_name", ctypes.c_void_p),
         ("nbytes", ctypes.c_void_p),
         ("tensor_get", ctypes.c_void_p),
@@ -62,7 +63,7 @@ def ggml_base() -> ctypes.CDLL:
     return ctypes.CDLL(str(LIB_DIR / "libggml-base.so"))
 
 
-def _addr(fn: object) -> int:
+def _addr(fn: Any) -> int:
     value = ctypes.cast(fn, ctypes.c_void_p).value
     if value is None:
         raise ExecutorError(f"could not resolve native function {fn}")
@@ -79,7 +80,7 @@ def new_capture_state(target: str) -> CaptureState:
     return state
 
 
-def capture_callback() -> object:
+def capture_callback() -> Any:
     """``mn_capture_eval`` as a ggml_backend_sched_eval_callback for context params."""
     return ctypes.cast(capture_library().mn_capture_eval, llama_cpp.ggml_backend_sched_eval_callback)
 
@@ -96,9 +97,8 @@ def silence_llama_logs() -> None:
     """Route llama.cpp's log lines to nowhere (its loader is very chatty)."""
     global _LOG_CB
 
-    @llama_cpp.llama_log_callback
     def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         return None
 
-    _LOG_CB = _quiet  # keep a reference: llama.cpp holds the pointer
+    _LOG_CB = llama_cpp.llama_log_callback(_quiet)  # keep a reference: llama.cpp holds the pointer
     llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p())

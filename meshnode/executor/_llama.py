@@ -15,6 +15,7 @@ import ctypes
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import llama_cpp
@@ -44,7 +45,7 @@ def _load_model(path: Path, *, vocab_only: bool = False) -> llama_cpp.llama_mode
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelFormatError(f"llama.cpp could not load {path}")
-    return model
+    return model  # type: ignore[no-any-return]
 
 
 class Vocab:
@@ -186,7 +187,7 @@ class LlamaRange:
     def _batch(self, *, embd: int) -> llama_cpp.llama_batch:
         batch = llama_cpp.llama_batch_init(self.config.n_batch, embd, 1)
         self._stack.callback(llama_cpp.llama_batch_free, batch)
-        return batch
+        return batch  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self._stack.close()
@@ -241,7 +242,7 @@ class LlamaRange:
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= limit):
             raise ShapeError(f"token ids must lie in [0, {limit})")
 
-    def _fill(self, batch: llama_cpp.llama_batch, seq: int, pos0: int, n: int) -> llama_cpp.llama_batch:
+    def _fill(self, batch: Any, seq: int, pos0: int, n: int) -> Any:
         batch.n_tokens = n
         all_out = self.captures  # every row's residual is needed downstream
         for i in range(n):

@@ -885,22 +885,26 @@ class HopTiming(_message.Message):
     ENDPOINT_FIELD_NUMBER: _builtins.int
     COMPUTE_NANOS_FIELD_NUMBER: _builtins.int
     BYTES_IN_FIELD_NUMBER: _builtins.int
+    HANDLE_NANOS_FIELD_NUMBER: _builtins.int
     endpoint: _builtins.str
     """the hop"""
     compute_nanos: _builtins.int
     """time inside llama.cpp"""
     bytes_in: _builtins.int
     """wire bytes received for this step"""
+    handle_nanos: _builtins.int
+    """time from receiving the step to having its result (includes downstream)"""
     def __init__(
         self,
         *,
         endpoint: _builtins.str = ...,
         compute_nanos: _builtins.int = ...,
         bytes_in: _builtins.int = ...,
+        handle_nanos: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "compute_nanos", b"compute_nanos", "endpoint", b"endpoint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "compute_nanos", b"compute_nanos", "endpoint", b"endpoint", "handle_nanos", b"handle_nanos"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,7 @@ not start at 0 or end at n_layer, unequal numerics settings).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,11 +42,13 @@ def check_chain(peers: Sequence[PeerView]) -> None:
                 f"{dict(first.numerics)}: the route would not equal the whole model"
             )
     if first.start != 0:
-        raise RouteError(f"layers 0–{first.start - 1} are not served: the first peer {first.endpoint} starts at {first.start}")
-    for prev, nxt in zip(peers, peers[1:], strict=False):
+        raise RouteError(
+            f"layers 0-{first.start - 1} are not served: the first peer {first.endpoint} starts at {first.start}"
+        )
+    for prev, nxt in itertools.pairwise(peers):
         if nxt.start > prev.end:
             raise RouteError(
-                f"layers {prev.end}–{nxt.start - 1} are not served between {prev.endpoint} "
+                f"layers {prev.end}-{nxt.start - 1} are not served between {prev.endpoint} "
                 f"({prev.start}:{prev.end}) and {nxt.endpoint} ({nxt.start}:{nxt.end})"
             )
         if nxt.start < prev.end:
@@ -56,5 +59,5 @@ def check_chain(peers: Sequence[PeerView]) -> None:
     last = peers[-1]
     if last.end != first.n_layer:
         raise RouteError(
-            f"layers {last.end}–{first.n_layer - 1} are not served: the last peer {last.endpoint} ends at {last.end}"
+            f"layers {last.end}-{first.n_layer - 1} are not served: the last peer {last.endpoint} ends at {last.end}"
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -176,13 +177,16 @@ class HopSession:
             return pb.SessionReply(route_session_id=self.session_id, result=dup)
         if s.work_id and s.work_id in self.cancelled_work:
             raise errors.CancelledError(f"work item {s.work_id} was cancelled")
+        t0 = time.perf_counter_ns()
         result = await self._execute(frame, left)
+        result.timings[0].handle_nanos = time.perf_counter_ns() - t0
         self.last_step_id, self.last_result = s.step_id, result
         return pb.SessionReply(route_session_id=self.session_id, result=result)
 
     async def _execute(self, frame: pb.SessionFrame, left: float | None) -> pb.StepResult:
         s = frame.step
-        assert self.slot is not None and self.open_msg is not None
+        assert self.slot is not None
+        assert self.open_msg is not None
         ex = self.executor
         n_past = ex.next_pos(self.slot)
         if s.cache.n_past != n_past:
@@ -225,7 +229,8 @@ class HopSession:
 
     async def _forward(self, frame: pb.SessionFrame, residual: np.ndarray, n_past: int,
                        timing: pb.HopTiming, left: float | None) -> pb.StepResult:
-        assert self.downstream is not None and self.open_msg is not None
+        assert self.downstream is not None
+        assert self.open_msg is not None
         s = frame.step
         bundle = encode_bundle(residual, dtype=self.open_msg.wire_dtype or pb.DTYPE_F32, pos_start=n_past,
                                max_chunk_bytes=self.negotiated.max_chunk_bytes)

@@ -37,7 +37,8 @@ def generate_local(model: Path, cfg: GenerateConfig, exec_cfg: ExecConfig) -> Ge
         stop = "length"
         t1 = time.perf_counter()
         while True:
-            assert out is not None and out.logits is not None
+            assert out is not None
+            assert out.logits is not None
             tok = sample(out.logits, temperature=cfg.temperature, top_k=0, top_p=1.0, rng=rng)
             tokens.append(tok)
             if vocab.is_eog(tok):

@@ -77,7 +77,7 @@ class NodeServicer(pb_grpc.NodeServicer):
 
     # -- the session stream ---------------------------------------------------------
 
-    async def Session(self, request_iterator: Any, context: Any) -> None:
+    async def Session(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
         session = HopSession(self.executor, self.capability, self.limits, self.endpoint)
         try:
             first = await context.read()

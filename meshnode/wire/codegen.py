@@ -42,7 +42,9 @@ def drift() -> list[str]:
         fresh = {p.name: p for p in generate(Path(tmp))}
         have = {p.name: p for p in OUT_DIR.glob("*_pb2*")}
         names = sorted(set(fresh) | set(have))
-        return [n for n in names if n not in fresh or n not in have or not filecmp.cmp(fresh[n], have[n], shallow=False)]
+        return [
+            n for n in names if n not in fresh or n not in have or not filecmp.cmp(fresh[n], have[n], shallow=False)
+        ]
 
 
 def main() -> int:

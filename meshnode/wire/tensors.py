@@ -83,7 +83,8 @@ def decode_bundle(bundle: pb.TensorBundle, *, n_cols: int, n_rows: int | None = 
                   ) -> npt.NDArray[np.float32]:
     """Validate and reassemble a bundle into a float32 [n_rows, n_cols] array."""
     if bundle.dtype not in allowed:
-        raise ShapeError(f"dtype {pb.DType.Name(bundle.dtype) if bundle.dtype in pb.DType.values() else bundle.dtype} is not accepted here")
+        name = pb.DType.Name(bundle.dtype) if bundle.dtype in pb.DType.values() else str(bundle.dtype)
+        raise ShapeError(f"dtype {name} is not accepted here")
     shape = tuple(bundle.shape)
     if len(shape) != 2 or shape[1] != n_cols or shape[0] < 1 or (n_rows is not None and shape[0] != n_rows):
         want = f"[{n_rows if n_rows is not None else 'n'}, {n_cols}]"

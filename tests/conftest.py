@@ -1,0 +1,113 @@
+"""Shared fixtures: the default model, the whole-model reference, node processes.
+
+Node processes are real ``meshnode serve`` children on 127.0.0.1 port 0;
+each is awaited until it prints ``listening on`` (no sleeps), and stopped at
+the end of its fixture's scope.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import pytest
+import trio_asyncio
+
+from meshnode.executor._bindings import silence_llama_logs
+from meshnode.launch import NodeProcess, local_route, start_node
+from meshnode.models import pull
+
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    silence_llama_logs()
+    return pull()
+
+
+@dataclass(frozen=True)
+class Reference:
+    prompt_tokens: list[int]
+    tokens: list[int]
+    #: logits of the last prompt token, then of each generated token
+    logits: list[np.ndarray]
+
+
+def llama_reference(model: Path, prompt: str, n: int) -> Reference:
+    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings."""
+    llm = llama_cpp.Llama(str(model), verbose=False)
+    try:
+        toks = llm.tokenize(prompt.encode(), special=True)
+        out: list[int] = []
+        logits: list[np.ndarray] = []
+        llm.eval(toks)
+        while len(out) < n:
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+            logits.append(row)
+            tok = int(np.argmax(row))
+            out.append(tok)
+            if llm.token_eos() == tok:
+                break
+            llm.eval([tok])
+        # the same tokens through Llama's own sampling loop (greedy = temp 0)
+        llm.reset()
+        via_generate: list[int] = []
+        for t in llm.generate(toks, temp=0.0, repeat_penalty=1.0):
+            via_generate.append(t)
+            if len(via_generate) == len(out):
+                break
+        assert via_generate == out
+        return Reference(toks, out, logits)
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="session")
+def reference(model: Path) -> Reference:
+    return llama_reference(model, PROMPT, 32)
+
+
+@pytest.fixture(scope="session")
+def route2(model: Path) -> Iterator[list[NodeProcess]]:
+    with local_route(model, ["0:15", "15:30"]) as nodes:
+        yield nodes
+
+
+@pytest.fixture(scope="session")
+def route3(model: Path) -> Iterator[list[NodeProcess]]:
+    with local_route(model, ["0:7", "7:19", "19:30"]) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def node_factory(model: Path) -> Iterator[Callable[..., NodeProcess]]:
+    started: list[NodeProcess] = []
+
+    def make(layers: str, *, source: Path | None = None, extra: tuple[str, ...] = ()) -> NodeProcess:
+        n = start_node(source or model, layers, extra=extra)
+        started.append(n)
+        return n
+
+    yield make
+    for n in started:
+        n.stop()
+
+
+async def aio(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run an asyncio coroutine function (the grpc.aio side) from a trio test."""
+    async with trio_asyncio.open_loop():
+        return await trio_asyncio.aio_as_trio(fn)(*args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    leaked = [t for t in threading.enumerate() if t.ident not in before and t.is_alive() and not t.daemon]
+    assert not leaked, f"test leaked threads: {leaked}"
