@@ -205,10 +205,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(ns.func(ns))
     except errors.MeshnodeError as e:
-        print(f"meshnode: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, errors.InputError) else 1
+        return _report(e)
+    except BaseExceptionGroup as group:
+        # trio nurseries wrap errors in groups: report the typed one they carry
+        typed = errors.typed_leaf(group)
+        if typed is None:
+            raise
+        return _report(typed)
     except KeyboardInterrupt:
         return 130
+
+
+def _report(e: errors.MeshnodeError) -> int:
+    print(f"meshnode: error: {e}", file=sys.stderr)
+    return 2 if isinstance(e, errors.InputError) else 1
+
+
 
 
 if __name__ == "__main__":

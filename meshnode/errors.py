@@ -199,3 +199,19 @@ def from_code(code: str, message: str, *, hop: str | None = None) -> MeshnodeErr
     """Rebuild the typed error a peer reported (unknown codes become PeerError)."""
     cls = BY_CODE.get(code, PeerError)
     return cls(message, hop=hop)
+
+
+def typed_leaf(group: BaseExceptionGroup[BaseException]) -> MeshnodeError | None:
+    """The first MeshnodeError inside a (nested) exception group, if any.
+
+    trio nurseries (and trio-asyncio's loop) wrap errors in groups; the edges
+    (CLI, tests) report the typed error such a group carries.
+    """
+    for exc in group.exceptions:
+        if isinstance(exc, MeshnodeError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = typed_leaf(exc)
+            if found is not None:
+                return found
+    return None

@@ -7,6 +7,9 @@ through ``task_status.started`` once the node really serves.
 from __future__ import annotations
 
 import logging
+import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,10 +17,10 @@ import llama_cpp
 import trio
 import trio_asyncio
 
-from meshnode import __version__
+from meshnode import __version__, errors
 from meshnode.executor import ExecConfig, RangeExecutor
-from meshnode.gguf import ensure_range, inspect_model
-from meshnode.gguf.slicer import RangeArtifact, Role
+from meshnode.gguf.model import check_file
+from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
 from meshnode.proto import node_pb2 as pb
 from meshnode.session.hop import HopLimits
 from meshnode.transport.server import serve_grpc, split_hostport
@@ -58,7 +61,7 @@ def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits) -
         range=pb.LayerRange(start=artifact.start, end=artifact.end),
         range_digest=artifact.range_digest,
         role=artifact.role.value,
-        has_vocab=artifact.role is not Role.MIDDLE,
+        has_vocab=artifact.role in (Role.TAIL, Role.WHOLE),
         numerics=codec.numerics_to_pb(config),
         limits=pb.FlowLimits(max_chunk_bytes=limits.max_chunk_bytes,
                              max_prefill_chunk_tokens=min(limits.max_prefill_chunk_tokens, config.n_batch),
@@ -69,10 +72,35 @@ def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits) -
 
 
 def prepare(config: NodeConfig) -> RangeArtifact:
-    """Validate the model and range, cutting the range artifact if it is not cut yet."""
+    """Validate the model and range, cutting the range artifact if it is not cut yet.
+
+    The cut runs in a child process (``meshnode model slice``): parsing a GGUF's
+    metadata costs far more memory than serving a range, and a node's RSS should
+    be what it serves, not what it once parsed.
+    """
     split_hostport(config.listen)
-    inspect_model(config.model)
-    return ensure_range(config.model, config.start, config.end)
+    check_file(config.model)
+    art = cached_range(config.model, config.start, config.end)
+    if art is not None:
+        return art
+    cmd = [sys.executable, "-m", "meshnode", "model", "slice", "--model", str(config.model),
+           "--layers", f"{config.start}:{config.end}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise _child_error(proc.stderr)
+    art = cached_range(config.model, config.start, config.end)
+    if art is None:
+        raise errors.ModelError(f"cutting layers {config.start}:{config.end} left no artifact")
+    return art
+
+
+def _child_error(stderr: str) -> errors.MeshnodeError:
+    """Rebuild the typed error a ``meshnode`` child printed as ``meshnode: error: CODE: msg``."""
+    for line in reversed(stderr.splitlines()):
+        m = re.match(r"meshnode: error: ([A-Z_]+): (.*)", line)
+        if m:
+            return errors.from_code(m.group(1), m.group(2))
+    return errors.ModelError(f"cutting the range failed: {stderr.strip()[-400:]}")
 
 
 async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:

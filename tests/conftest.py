@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import trio_asyncio
 
+from meshnode.errors import typed_leaf
 from meshnode.executor._bindings import silence_llama_logs
 from meshnode.launch import NodeProcess, local_route, start_node
 from meshnode.models import pull
@@ -101,8 +102,14 @@ def node_factory(model: Path) -> Iterator[Callable[..., NodeProcess]]:
 
 async def aio(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run an asyncio coroutine function (the grpc.aio side) from a trio test."""
-    async with trio_asyncio.open_loop():
-        return await trio_asyncio.aio_as_trio(fn)(*args, **kwargs)
+    try:
+        async with trio_asyncio.open_loop():
+            return await trio_asyncio.aio_as_trio(fn)(*args, **kwargs)
+    except BaseExceptionGroup as group:
+        typed = typed_leaf(group)
+        if typed is None:
+            raise
+        raise typed from group
 
 
 @pytest.fixture(autouse=True)

@@ -91,12 +91,14 @@ class TokenTable:
     lets the head's range file carry no vocabulary-sized tensor at all.
     """
 
-    def __init__(self, path: Path, scale: float | None) -> None:
-        reader = gguf.GGUFReader(path, "r")
-        (t,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
-        self._data = t.data
-        self._qtype = t.tensor_type
-        self.n_vocab = int(t.shape[1])
+    def __init__(self, path: Path, info: dict[str, Any], scale: float | None) -> None:
+        # mapped straight from the manifest's offsets: parsing the file's
+        # metadata with GGUFReader would cost tens of MB of RSS in every head
+        self.n_vocab = int(info["shape"][1])
+        row_bytes = int(info["n_bytes"]) // self.n_vocab
+        self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=int(info["offset"]),
+                               shape=(self.n_vocab, row_bytes))
+        self._qtype = gguf.GGMLQuantizationType[info["type"]]
         self._scale = None if scale is None else np.float32(scale)
 
     def lookup(self, tokens: npt.NDArray[np.int32]) -> F32:
@@ -145,11 +147,11 @@ class LlamaRange:
         self.vocab: Vocab | None = None
         self.table: TokenTable | None = None
         if self.role is Role.HEAD:
+            # no llama.cpp vocabulary here (~10 MB of RSS): the tail tokenizes
             assert a.vocab_path is not None
-            self.vocab = Vocab(a.vocab_path, self._stack)
             policy = POLICIES.get(a.manifest["source"]["arch"])
             scale = math.sqrt(self.n_embd) if policy and policy.head_scales_by_sqrt_embd else None
-            self.table = TokenTable(a.vocab_path, scale)
+            self.table = TokenTable(a.vocab_path, a.manifest["vocab_tensors"]["token_embd.weight"], scale)
         elif self.role in (Role.TAIL, Role.WHOLE):
             self.vocab = Vocab(a.range_path, self._stack)
         self.n_vocab_out = self.vocab.n_tokens if self.vocab and not self.captures else 0

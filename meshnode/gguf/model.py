@@ -49,14 +49,7 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
 
 def open_reader(path: Path) -> gguf.GGUFReader:
     """Open a GGUF, translating every way it can be unusable into a typed error."""
-    if not path.exists():
-        raise ModelNotFoundError(f"model file {path} does not exist")
-    if not path.is_file():
-        raise ModelNotFoundError(f"model path {path} is not a file")
-    with path.open("rb") as fh:
-        magic = fh.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, want {GGUF_MAGIC!r})")
+    check_file(path)
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the gguf package raises ValueError/IndexError/struct.error
@@ -69,6 +62,18 @@ def open_reader(path: Path) -> gguf.GGUFReader:
                 f"{t.data_offset + t.n_bytes} but the file has {size}"
             )
     return reader
+
+
+def check_file(path: Path) -> None:
+    """Cheap checks: the file exists and starts with the GGUF magic."""
+    if not path.exists():
+        raise ModelNotFoundError(f"model file {path} does not exist")
+    if not path.is_file():
+        raise ModelNotFoundError(f"model path {path} is not a file")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, want {GGUF_MAGIC!r})")
 
 
 def inspect_model(path: Path) -> ModelInfo:

@@ -40,12 +40,12 @@ import numpy as np
 
 from meshnode.errors import ModelFormatError
 from meshnode.gguf.arch import check_cut, swa_layers
-from meshnode.gguf.model import fingerprint, inspect_model, open_reader
+from meshnode.gguf.model import check_file, fingerprint, inspect_model, open_reader
 from meshnode.paths import cache_dir
 
 MANIFEST_FORMAT = "meshnode-range/1"
 #: bump when the slicer's output changes, so stale artifacts are rebuilt
-SLICER_VERSION = 1
+SLICER_VERSION = 2
 
 
 class Role(enum.StrEnum):
@@ -216,6 +216,8 @@ def tensor_table(path: Path) -> dict[str, dict[str, Any]]:
             "type": t.tensor_type.name,
             "shape": [int(x) for x in t.shape],
             "sha256": tensor_sha256(t),
+            "offset": int(t.data_offset),
+            "n_bytes": int(t.n_bytes),
         }
         for t in reader.tensors
     }
@@ -242,17 +244,33 @@ def _load(dir_: Path, source: Path) -> RangeArtifact | None:
     return RangeArtifact(dir_, range_path, vocab, manifest)
 
 
+def cached_range(source: Path, start: int, end: int) -> RangeArtifact | None:
+    """The artifact if it was cut already (cheap: no GGUF parsing), else None."""
+    if not source.is_file():
+        return None
+    return _load(artifact_dir(fingerprint(source), start, end), source)
+
+
 def ensure_range(source: Path, start: int, end: int) -> RangeArtifact:
-    """The artifact of [start, end) of ``source``, cut now unless already cut."""
+    """The artifact of [start, end) of ``source``, cut now unless already cut.
+
+    A cached artifact is found without parsing the source (its fingerprint is
+    memoised by path, size and mtime, so a changed file is cut anew).
+    """
+    check_file(source)
+    done = cached_range(source, start, end)
+    if done is not None:
+        return done
+    return _cut(source, start, end)
+
+
+def _cut(source: Path, start: int, end: int) -> RangeArtifact:
     info = inspect_model(source)
     reader = open_reader(source)
     meta = _meta(reader)
     check_cut(meta, info.arch, info.n_layer, start, end)
     fp = fingerprint(source)
     dir_ = artifact_dir(fp, start, end)
-    done = _load(dir_, source)
-    if done is not None:
-        return done
     role = role_of(start, end, info.n_layer)
     dir_.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{start}-{end}.", dir=dir_.parent))

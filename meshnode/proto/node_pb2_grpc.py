@@ -105,7 +105,7 @@ class NodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Tokenize text with this node's vocabulary (head and tail carry one).
+        """Tokenize text with this node's vocabulary (a tail or whole-model node carries one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,7 +60,7 @@ class NodeStub:
     Cancel: _grpc.UnaryUnaryMultiCallable[_node_pb2.CancelRequest, _node_pb2.CancelReply]
     """Out-of-band cancel of a session or one of its steps; may precede the open."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_node_pb2.TokenizeRequest, _node_pb2.TokenizeReply]
-    """Tokenize text with this node's vocabulary (head and tail carry one)."""
+    """Tokenize text with this node's vocabulary (a tail or whole-model node carries one)."""
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -76,7 +76,7 @@ class NodeAsyncStub(NodeStub):
     Cancel: _aio.UnaryUnaryMultiCallable[_node_pb2.CancelRequest, _node_pb2.CancelReply]  # type: ignore[assignment]
     """Out-of-band cancel of a session or one of its steps; may precede the open."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_node_pb2.TokenizeRequest, _node_pb2.TokenizeReply]  # type: ignore[assignment]
-    """Tokenize text with this node's vocabulary (head and tail carry one)."""
+    """Tokenize text with this node's vocabulary (a tail or whole-model node carries one)."""
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -125,6 +125,6 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         request: _node_pb2.TokenizeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_node_pb2.TokenizeReply, _abc.Awaitable[_node_pb2.TokenizeReply]]:
-        """Tokenize text with this node's vocabulary (head and tail carry one)."""
+        """Tokenize text with this node's vocabulary (a tail or whole-model node carries one)."""
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

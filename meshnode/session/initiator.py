@@ -143,7 +143,7 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig) -> GenerationResul
     if cfg.max_tokens < 1:
         raise errors.InputError("--max-tokens must be at least 1")
     caps = await check_route(peers)
-    prompt = await tokenize(peers[0], cfg.prompt)
+    prompt = await tokenize(peers[-1], cfg.prompt)  # the tail carries the vocabulary
     if not prompt:
         raise errors.InputError("the prompt tokenizes to nothing")
     if len(prompt) + cfg.max_tokens > caps[0].numerics.n_ctx_per_session:
