@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{h['rss_fraction']:>11.3f}  "
               f"{ok(h['rss_fraction'] <= 0.65)}")
     print("(payload = HopTiming.bytes_in: token ids at the head, the residual at later hops; frame = serialized "
-          "SessionFrame that hop receives; RSS = peak, now = at the end)")
+          "SessionFrame that hop receives, rebuilt from the sent fields; RSS = peak VmHWM, now = VmRSS at the end)")
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"route decode per token: {1e3 / r_dec:.3f} ms, of which llama.cpp compute "
           f"{sum(h['compute_ms_per_token'] for h in hops):.3f} ms; whole: {1e3 / w_dec:.3f} ms")

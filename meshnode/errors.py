@@ -170,6 +170,18 @@ class CapacityError(SessionError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class EpochStaleError(SessionError):
+    """A frame carries another route epoch than the session's."""
+
+    code = "EPOCH_STALE"
+
+
+class FlowControlError(SessionError):
+    """More unanswered steps than the negotiated credits."""
+
+    code = "FLOW_CONTROL_VIOLATION"
+
+
 class CancelledError(SessionError):
     code = "CANCELLED"
 

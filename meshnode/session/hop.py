@@ -165,7 +165,7 @@ class HopSession:
     async def step(self, frame: pb.SessionFrame) -> pb.SessionReply:
         s = frame.step
         if frame.route_epoch != self.epoch:
-            raise errors.SessionError(f"route epoch {frame.route_epoch} is stale (session is at {self.epoch})")
+            raise errors.EpochStaleError(f"route epoch {frame.route_epoch} is stale (session is at {self.epoch})")
         left = codec.seconds_left(s.deadline_unix_nanos)
         if left is not None and left <= 0:
             raise errors.DeadlineError(f"step {s.step_id} arrived {-left:.3f}s past its deadline")
