@@ -120,8 +120,8 @@ async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_token
         bytes_in = [0] * len(peers)
         compute = [0] * len(peers)
         t1 = time.perf_counter()
-        for _ in range(n_tokens):
-            result = await rs.step([toks[-1]], sample=True)
+        # delegated decode, as `meshnode generate` does: the head runs the loop
+        async for result in rs.generate(toks[-1], n_tokens):
             toks.append(result.token)
             for k, t in enumerate(result.timings):
                 bytes_in[k] += t.bytes_in
@@ -142,8 +142,9 @@ async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_token
     except BaseException:
         await rs.close()
         raise
-    return {"prefill_s": prefill, "decode_tps": n_tokens / decode, "tokens": toks,
-            "bytes_in": [b / n_tokens for b in bytes_in], "compute_ms": [c / n_tokens / 1e6 for c in compute],
+    steps = len(toks) - 1  # fewer than n_tokens if the model ended its generation
+    return {"prefill_s": prefill, "decode_tps": steps / decode, "tokens": toks,
+            "bytes_in": [b / steps for b in bytes_in], "compute_ms": [c / steps / 1e6 for c in compute],
             "frame_bytes": frames}
 
 

@@ -748,6 +748,54 @@ class CreditGrant(_message.Message):
 Global___CreditGrant: _TypeAlias = CreditGrant  # noqa: Y015
 
 @_typing.final
+class Generate(_message.Message):
+    """Delegated decode, sent to the head only: the head runs the decode loop
+    itself — feeding each sampled token (relayed back from the tail) straight
+    into the next step — and streams one StepResult per token, so the
+    initiator's round trip is off the per-token critical path. Each generated
+    token is an ordinary Step on every hop (ids first_step_id, first_step_id+1,
+    ...), with the same idempotency, cache and deadline checks.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_STEP_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    N_PAST_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    STEP_TIMEOUT_NANOS_FIELD_NUMBER: _builtins.int
+    WORK_ID_FIELD_NUMBER: _builtins.int
+    first_step_id: _builtins.int
+    """step id of the first generated step"""
+    token: _builtins.int
+    """the token to feed first (sampled by the previous step)"""
+    n_past: _builtins.int
+    """positions cached before the first generated step"""
+    max_tokens: _builtins.int
+    """steps to run at most"""
+    step_timeout_nanos: _builtins.int
+    """each step's deadline, relative to its start"""
+    work_id: _builtins.str
+    """for cancelling this generation in-band"""
+    def __init__(
+        self,
+        *,
+        first_step_id: _builtins.int = ...,
+        token: _builtins.int = ...,
+        n_past: _builtins.int = ...,
+        max_tokens: _builtins.int = ...,
+        step_timeout_nanos: _builtins.int = ...,
+        work_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_step_id", b"first_step_id", "max_tokens", b"max_tokens", "n_past", b"n_past", "step_timeout_nanos", b"step_timeout_nanos", "token", b"token", "work_id", b"work_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Generate: _TypeAlias = Generate  # noqa: Y015
+
+@_typing.final
 class CancelSignal(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -793,6 +841,7 @@ class SessionFrame(_message.Message):
     CREDIT_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    GENERATE_FIELD_NUMBER: _builtins.int
     route_session_id: _builtins.str
     """the session this frame belongs to"""
     route_epoch: _builtins.int
@@ -807,6 +856,8 @@ class SessionFrame(_message.Message):
     def cancel(self) -> Global___CancelSignal: ...
     @_builtins.property
     def release(self) -> Global___ReleaseSignal: ...
+    @_builtins.property
+    def generate(self) -> Global___Generate: ...
     def __init__(
         self,
         *,
@@ -817,12 +868,13 @@ class SessionFrame(_message.Message):
         credit: Global___CreditGrant | None = ...,
         cancel: Global___CancelSignal | None = ...,
         release: Global___ReleaseSignal | None = ...,
+        generate: Global___Generate | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "credit", b"credit", "open", b"open", "release", b"release", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "credit", b"credit", "generate", b"generate", "open", b"open", "release", b"release", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "credit", b"credit", "open", b"open", "release", b"release", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "credit", b"credit", "generate", b"generate", "open", b"open", "release", b"release", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["open", "step", "credit", "cancel", "release"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["open", "step", "credit", "cancel", "release", "generate"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -841,6 +893,7 @@ class StepResult(_message.Message):
     END_OF_GENERATION_FIELD_NUMBER: _builtins.int
     LOGITS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """the step answered"""
     duplicate: _builtins.bool
@@ -851,6 +904,8 @@ class StepResult(_message.Message):
     """the token's text bytes (UTF-8, may split a character)"""
     end_of_generation: _builtins.bool
     """the token is an end-of-generation token"""
+    last: _builtins.bool
+    """the last result of a Generate (stopped at end-of-generation, max_tokens or cancel)"""
     @_builtins.property
     def logits(self) -> Global___TensorBundle:
         """[1, n_vocab] f32 logits, when return_logits"""
@@ -869,10 +924,11 @@ class StepResult(_message.Message):
         end_of_generation: _builtins.bool = ...,
         logits: Global___TensorBundle | None = ...,
         timings: _abc.Iterable[Global___HopTiming] | None = ...,
+        last: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "end_of_generation", b"end_of_generation", "logits", b"logits", "piece", b"piece", "step_id", b"step_id", "timings", b"timings", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "end_of_generation", b"end_of_generation", "last", b"last", "logits", b"logits", "piece", b"piece", "step_id", b"step_id", "timings", b"timings", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -245,6 +246,33 @@ class HopSession:
         result = reply.result
         result.timings.insert(0, timing)
         return result
+
+    # -- delegated decode (head only) ---------------------------------------------
+
+    async def generate(self, frame: pb.SessionFrame, write: Callable[[pb.SessionReply], Awaitable[None]],
+                       stop: asyncio.Event) -> None:
+        """Run a Generate: one ordinary step per token, each result written upstream.
+
+        Stops at end-of-generation, ``max_tokens`` or when ``stop`` is set
+        (in-band cancel); the last result written has ``last = true``. A failing
+        step raises after the results before it were written.
+        """
+        g = frame.generate
+        if not self.executor.takes_tokens:
+            raise errors.SessionError("Generate goes to the head of a route")
+        token, n_past = g.token, g.n_past
+        timeout_ns = g.step_timeout_nanos or int(self.limits.step_timeout * 1e9)
+        for i in range(g.max_tokens):
+            step = pb.Step(step_id=g.first_step_id + i, work_id=g.work_id, tokens=[token], sample=True,
+                           cache=pb.CacheExpectation(n_past=n_past), deadline_unix_nanos=codec.now_ns() + timeout_ns)
+            frame_i = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=step)
+            reply = await self.step(frame_i)
+            result = reply.result
+            result.last = result.end_of_generation or i == g.max_tokens - 1 or stop.is_set()
+            await write(reply)
+            if result.last:
+                return
+            token, n_past = result.token, n_past + 1
 
     # -- control ------------------------------------------------------------------
 

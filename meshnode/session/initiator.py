@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,6 +43,8 @@ class GenerateConfig:
     step_timeout: float = 30.0
     #: ask the tail for each step's logits (tests and parity checks)
     return_logits: bool = False
+    #: delegated decode: the head runs the decode loop (Generate); False = one Step per token from here
+    delegate: bool = True
 
 
 @dataclass
@@ -86,6 +88,12 @@ class RouteSession:
     async def _exchange(self, frame: pb.SessionFrame) -> pb.SessionReply:
         try:
             await self._call.write(frame)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, self.peers[0], "Session") from e
+        return await self._read()
+
+    async def _read(self) -> pb.SessionReply:
+        try:
             reply = await asyncio.wait_for(self._call.read(), self.cfg.step_timeout)
         except TimeoutError:
             raise errors.DeadlineError(f"no answer within {self.cfg.step_timeout}s", hop=self.peers[0]) from None
@@ -126,6 +134,24 @@ class RouteSession:
         self.n_past += len(tokens)
         return reply.result
 
+    async def generate(self, token: int, max_tokens: int) -> AsyncIterator[pb.StepResult]:
+        """Delegated decode: the head loops; yields one result per generated token."""
+        g = pb.Generate(first_step_id=self.step_id + 1, token=token, n_past=self.n_past, max_tokens=max_tokens,
+                        step_timeout_nanos=int(self.cfg.step_timeout * 1e9))
+        try:
+            await self._call.write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, generate=g))
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, self.peers[0], "Session") from e
+        while True:
+            reply = await self._read()
+            if not reply.HasField("result") or reply.result.step_id != self.step_id + 1:
+                raise errors.PeerError(f"answered step {self.step_id + 1} with something else", hop=self.peers[0])
+            self.step_id += 1
+            self.n_past += 1
+            yield reply.result
+            if reply.result.last:
+                return
+
     async def release(self) -> None:
         try:
             await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
@@ -160,6 +186,23 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig) -> GenerationResul
         raise
 
 
+async def _decode_results(rs: RouteSession, first: pb.StepResult, cfg: GenerateConfig) -> AsyncGenerator[pb.StepResult, None]:
+    """The prefill's result, then one per decoded token (delegated to the head, or step by step)."""
+    yield first
+    if first.end_of_generation or cfg.max_tokens <= 1:
+        return
+    if cfg.delegate:
+        async for r in rs.generate(first.token, cfg.max_tokens - 1):
+            yield r
+        return
+    result = first
+    for _ in range(cfg.max_tokens - 1):
+        result = await rs.step([result.token], sample=True)
+        yield result
+        if result.end_of_generation:
+            return
+
+
 async def _run(rs: RouteSession, prompt: list[int], cfg: GenerateConfig,
                caps: Sequence[pb.Capability]) -> GenerationResult:
     chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
@@ -175,19 +218,21 @@ async def _run(rs: RouteSession, prompt: list[int], cfg: GenerateConfig,
     bytes_in: dict[str, int] = {}
     stop = "length"
     t1 = time.perf_counter()
-    while True:
+    results = _decode_results(rs, result, cfg)
+    async for result in results:
         if cfg.return_logits:
             logits.append(decode_bundle(result.logits, n_cols=result.logits.shape[1] if result.logits.shape else 0)[0])
         tokens.append(result.token)
+        if len(tokens) > 1:
+            for t in result.timings:
+                bytes_in[t.endpoint] = bytes_in.get(t.endpoint, 0) + t.bytes_in
         if result.end_of_generation:
             stop = "eog"
             break
         pieces.append(result.piece)
         if len(tokens) >= cfg.max_tokens:
             break
-        result = await rs.step([result.token], sample=True)
-        for t in result.timings:
-            bytes_in[t.endpoint] = bytes_in.get(t.endpoint, 0) + t.bytes_in
+    await results.aclose()
     decode = time.perf_counter() - t1
     await rs.release()
     steps = max(len(tokens) - 1, 1)

@@ -8,6 +8,8 @@ and answered as INTERNAL (terminal) — the node keeps serving other sessions.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -21,6 +23,22 @@ from meshnode.session.hop import HopLimits, HopSession
 from meshnode.wire import codec
 
 log = logging.getLogger("meshnode.node")
+
+
+class _Writer:
+    """Serialises writes on one stream: a running Generate and the read loop both answer."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._lock = asyncio.Lock()
+
+    async def write(self, reply: pb.SessionReply) -> None:
+        async with self._lock:
+            await self._context.write(reply)
+
+    async def error(self, session: HopSession, e: errors.MeshnodeError, *, terminal: bool | None = None) -> None:
+        await self.write(pb.SessionReply(route_session_id=session.session_id,
+                                         error=codec.error_to_pb(e, hop=session.endpoint, terminal=terminal)))
 
 
 class NodeServicer(pb_grpc.NodeServicer):
@@ -79,24 +97,57 @@ class NodeServicer(pb_grpc.NodeServicer):
 
     async def Session(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
         session = HopSession(self.executor, self.capability, self.limits, self.endpoint)
+        writer = _Writer(context)
+        generation: asyncio.Task[None] | None = None
+        stop = asyncio.Event()
         try:
             first = await context.read()
             if first is grpc.aio.EOF:
                 return
-            if not await self._open(session, first, context):
+            if not await self._open(session, first, writer):
                 return
             while True:
                 frame = await context.read()
                 if frame is grpc.aio.EOF:
                     return
-                if not await self._frame(session, frame, context):
+                if generation is not None and not generation.done():
+                    if frame.WhichOneof("body") not in ("cancel", "release"):
+                        await writer.error(session, errors.SessionError("a Generate is running on this session"))
+                        continue
+                    stop.set()  # the generation ends after its current step
+                    await generation
+                if generation is not None and generation.done():
+                    if generation.exception() is not None or generation.cancelled():
+                        return
+                    generation = None
+                if frame.WhichOneof("body") == "generate":
+                    stop = asyncio.Event()
+                    generation = asyncio.ensure_future(self._generate(session, frame, writer, stop))
+                    continue
+                if not await self._frame(session, frame, writer):
                     return
         finally:
+            if generation is not None and not generation.done():
+                generation.cancel()
+                with contextlib.suppress(BaseException):
+                    await generation
             if self.sessions.get(session.session_id) is session:
                 del self.sessions[session.session_id]
             await session.close()
 
-    async def _open(self, session: HopSession, frame: pb.SessionFrame, context: Any) -> bool:
+    async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer,
+                        stop: asyncio.Event) -> None:
+        try:
+            await session.generate(frame, writer.write, stop)
+        except errors.MeshnodeError as e:
+            await writer.error(session, e)
+            if codec.error_to_pb(e, hop=self.endpoint).terminal:
+                raise  # the read loop ends the session at its next frame (or EOF)
+        except Exception as e:
+            log.exception("internal error in session %s", session.session_id)
+            await writer.error(session, errors.MeshnodeError(f"internal error: {e!r}"), terminal=True)
+
+    async def _open(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
         sid = frame.route_session_id
         try:
             if not frame.HasField("open"):
@@ -116,7 +167,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         await context.write(pb.SessionReply(route_session_id=sid, accepted=accepted))
         return True
 
-    async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: Any) -> bool:
+    async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
         """Answer one frame; False once the session is over."""
         sid = session.session_id
         kind = frame.WhichOneof("body")
