@@ -19,6 +19,7 @@ vocabulary is covered by the SmolLM2 (llama) route tests.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from tests.conftest import llama_reference
 from tests.tinymodels import make_tiny_model
 
 N_LAYER = 12
-N_VOCAB = 2048
+N_VOCAB = 1024
 N_DECODE = 8
 #: 30 tokens with the truncated vocabulary: well past gemma3's window of 8
 PROMPT = "The quick brown fox jumps over the lazy dog, while the cat sleeps on a warm mat near the open door."
@@ -56,6 +57,8 @@ GEMMA3_CUTS: list[Cut] = [
     [(0, 4), (4, 9), (9, 12)],
     [(0, 2), (2, 3), (3, 8), (8, 12)],
     [(0, 11), (11, 12)],
+    # slices of only global layers ([5, 6), [11, 12)) and of only local ones ([6, 11))
+    [(0, 5), (5, 6), (6, 11), (11, 12)],
 ]
 
 #: arch name -> make_tiny_model keyword arguments
@@ -135,9 +138,11 @@ def run_chain(path: Path, cut: Cut, prompt: str = PROMPT, n: int = N_DECODE + 1)
     """Greedy generation head -> middles -> tail, each range its own executor."""
     assert cut[0][0] == 0
     assert cut[-1][1] == N_LAYER
-    assert all(a[1] == b[0] for a, b in zip(cut, cut[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(cut))
     arts = [ensure_range(path, a, b) for a, b in cut]
     assert [a.role for a in arts] == [Role.HEAD, *[Role.MIDDLE] * (len(cut) - 2), Role.TAIL]
+    for art in arts:
+        assert_loadable_swa(art.range_path)
     ranges: list[LlamaRange] = []
     try:
         for art in arts:
@@ -179,6 +184,28 @@ def assert_same_run(got: Run, want: Run) -> None:
             pytest.fail(f"logits of step {i} differ: max |diff| {diff.max():.3g} at token {int(diff.argmax())}")
 
 
+def assert_loadable_swa(path: Path) -> None:
+    """Fail (instead of letting llama.cpp abort the test process) on a window without SWA layers.
+
+    llama.cpp's create_memory (src/llama-model.cpp, ``GGML_ASSERT(hparams.is_swa_any())``)
+    aborts when a file declares a sliding window but no layer uses it, e.g. a
+    gemma3 slice made only of global layers (every 6th: [5, 6), [11, 12)).
+    """
+    reader = gguf.GGUFReader(path, "r")
+    arch = reader.fields["general.architecture"].contents()
+    window = reader.fields.get(f"{arch}.attention.sliding_window")
+    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if window is None or not window.contents() or pattern is None:
+        return
+    flags = pattern.contents()
+    if isinstance(flags, list) and not any(flags):
+        pytest.fail(
+            f"{path} declares {arch}.attention.sliding_window={window.contents()} but none of its "
+            f"{len(flags)} layers is sliding-window: llama.cpp would abort loading it "
+            "(GGML_ASSERT(hparams.is_swa_any()) in llama_model::create_memory)"
+        )
+
+
 _whole_runs: dict[Path, Run] = {}
 
 
@@ -198,7 +225,7 @@ def test_whole_range_equals_llama(tiny, name):
     whole = whole_run(path)
     assert len(whole.prompt_tokens) > 2 * SLIDING_WINDOW + 8
     # every step computes something new (a random model may repeat one token; its logits still move)
-    assert all(not np.array_equal(a, b) for a, b in zip(whole.logits, whole.logits[1:], strict=False))
+    assert all(not np.array_equal(a, b) for a, b in itertools.pairwise(whole.logits))
     ref = llama_reference(path, PROMPT, N_DECODE + 1)
     assert_same_run(whole, Run(ref.prompt_tokens, ref.tokens, ref.logits))
 
@@ -273,6 +300,10 @@ def test_gemma3_without_sliding_window_is_exact(tiny):
     for a, b in cut:
         assert _field(ensure_range(path, a, b).range_path, "gemma3.attention.sliding_window_pattern") is None
     assert_same_run(run_chain(path, cut), whole_run(path))
+    # the same weights with the window of 8: the prompt is long enough for the window to matter
+    windowed = whole_run(tiny("gemma3"))
+    assert windowed.prompt_tokens == whole_run(path).prompt_tokens
+    assert not np.array_equal(windowed.logits[0], whole_run(path).logits[0])
 
 
 def test_gemma3_62_layers_refused_for_partial_cuts_allowed_whole(tiny):

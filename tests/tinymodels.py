@@ -9,9 +9,10 @@ required key follows llama.cpp's loaders at the pinned build
 (``src/models/{llama,qwen2,qwen3,gemma3}.cpp``, ``load_arch_hparams`` /
 ``load_arch_tensors``; names from ``src/llama-arch.cpp``).
 
-Weights are N(0, 1/fan_in) for matrices and 1 + N(0, 0.1^2) for norms, so
-activations stay O(1) and the logits of different tokens differ (greedy
-decoding is not a tie-break between equal logits).
+Weights are N(0, 1/fan_in) for matrices, N(0, 1) for token embeddings,
+1 + N(0, 0.1^2) for norms and N(0, 0.1^2) for biases, so activations stay
+O(1) and the logits of different tokens differ clearly (greedy decoding is
+not a tie-break between equal logits).
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ def make_tiny_model(
     is written as ``gemma3.attention.sliding_window`` (0: no sliding window)
     and ``swa_pattern`` as ``...sliding_window_pattern`` (None: not written,
     so llama.cpp's default of every 6th layer global applies; an int period;
-    or explicit per-layer flags). ``extra_kv`` adds or replaces metadata keys
-    (values are written with the gguf package's inferred types).
+    or explicit per-layer flags); other archs get no window unless ``extra_kv``
+    adds one. ``extra_kv`` adds or replaces metadata keys (bool, int as
+    uint32, float as float32, str, or a list). ``tied`` (default: all but
+    mistral) leaves out ``output.weight`` so the lm_head is ``token_embd``.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; one of {ARCHS}")

@@ -186,7 +186,9 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig) -> GenerationResul
         raise
 
 
-async def _decode_results(rs: RouteSession, first: pb.StepResult, cfg: GenerateConfig) -> AsyncGenerator[pb.StepResult, None]:
+async def _decode_results(
+    rs: RouteSession, first: pb.StepResult, cfg: GenerateConfig
+) -> AsyncGenerator[pb.StepResult, None]:
     """The prefill's result, then one per decoded token (delegated to the head, or step by step)."""
     yield first
     if first.end_of_generation or cfg.max_tokens <= 1:
