@@ -11,7 +11,7 @@ the whole model as one ``LlamaRange`` and those of llama-cpp-python's
 ``Llama`` with its default settings.
 
 The tiny models carry the default model's real BPE tokenizer cut to its first
-2048 tokens (``tinymodels.truncated_vocab``): the gguf package needs ~2 s to
+1024 tokens (``tinymodels.truncated_vocab``): the gguf package needs ~2 s to
 parse the full 49152-token vocabulary and the slicer parses each source
 several times per range, which would put this file at minutes. The full
 vocabulary is covered by the SmolLM2 (llama) route tests.
@@ -40,7 +40,7 @@ from tests.tinymodels import make_tiny_model
 N_LAYER = 12
 N_VOCAB = 1024
 N_DECODE = 8
-#: 30 tokens with the truncated vocabulary: well past gemma3's window of 8
+#: 44 tokens with the truncated vocabulary: well past gemma3's window of 8
 PROMPT = "The quick brown fox jumps over the lazy dog, while the cat sleeps on a warm mat near the open door."
 SLIDING_WINDOW = 8
 

@@ -93,7 +93,7 @@ def check_cut(meta: Mapping[str, Any], arch: str, n_layer: int, start: int, end:
         # the whole model is the file itself: always exact, any architecture
         return POLICIES.get(arch, ArchPolicy(arch, False, False))
     policy = policy_for(arch)
-    if n_layer in policy.layer_count_dependent:
+    if n_layer in policy.layer_count_dependent or (end - start) in policy.layer_count_dependent:
         raise CutRefusedError(
             f"{arch} with {n_layer} layers chooses its attention scale from its layer count; "
             f"a {end - start}-layer slice would compute differently"

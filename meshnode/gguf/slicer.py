@@ -45,7 +45,7 @@ from meshnode.paths import cache_dir
 
 MANIFEST_FORMAT = "meshnode-range/1"
 #: bump when the slicer's output changes, so stale artifacts are rebuilt
-SLICER_VERSION = 2
+SLICER_VERSION = 3
 
 
 class Role(enum.StrEnum):
@@ -163,7 +163,17 @@ def _write_range(src: gguf.GGUFReader, meta: dict[str, Any], arch: str, n_layer:
         k for k, v in meta.items()
         if k.startswith(f"{arch}.") and isinstance(v, list) and len(v) == n_layer
     }
+    swa = swa_layers(meta, arch, n_layer)
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
     skip = {f"{arch}.block_count", *per_layer}
+    if swa is not None:
+        # written below as explicit per-layer flags of the absolute layer index
+        skip.add(pattern_key)
+        per_layer.discard(pattern_key)
+        if not any(swa[start:end]):
+            # only global layers: declare no window at all, which computes the same,
+            # else llama.cpp aborts on GGML_ASSERT(hparams.is_swa_any()) (create_memory)
+            skip.add(f"{arch}.attention.sliding_window")
     if tiny_vocab:
         skip |= {k for k in meta if k.startswith("tokenizer.")} | {f"{arch}.vocab_size"}
     _copy_kv(writer, src, skip)
@@ -171,9 +181,8 @@ def _write_range(src: gguf.GGUFReader, meta: dict[str, Any], arch: str, n_layer:
     for key in sorted(per_layer):
         field = src.fields[key]
         writer.add_key_value(key, meta[key][start:end], field.types[0], field.types[1])
-    swa = swa_layers(meta, arch, n_layer)
-    if swa is not None:
-        writer.add_array(f"{arch}.attention.sliding_window_pattern", swa[start:end])
+    if swa is not None and any(swa[start:end]):
+        writer.add_array(pattern_key, swa[start:end])
     if tiny_vocab:
         writer.add_string("tokenizer.ggml.model", "none")
         writer.add_uint32(f"{arch}.vocab_size", 1)
