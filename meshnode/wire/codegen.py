@@ -22,8 +22,12 @@ def generate(out_root: Path) -> list[Path]:
     from grpc_tools import protoc  # only needed at development time
 
     protos = sorted(PROTO_DIR.rglob("*.proto"))
+    # mypy-protobuf's plugins live beside this interpreter, which need not be on PATH
+    bindir = Path(sys.executable).parent
     args = [
         "protoc",
+        f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
+        f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
         f"-I{PROTO_DIR}",
         f"--python_out={out_root}",
         f"--grpc_python_out={out_root}",
