@@ -85,3 +85,17 @@ async def test_concurrent_sessions_on_one_route_do_not_cross_talk(route2, refere
     solo_b = await aio(generate, peers, GenerateConfig(prompt=other, max_tokens=16))
     assert results["a"].tokens == reference.tokens[:16]  # type: ignore[attr-defined]
     assert results["b"].tokens == solo_b.tokens  # type: ignore[attr-defined]
+
+
+async def test_step_by_step_decode_equals_delegated_decode(route2, reference):
+    cfg = GenerateConfig(prompt=PROMPT, max_tokens=12, delegate=False)
+    with trio.fail_after(60):
+        result = await aio(generate, [n.endpoint for n in route2], cfg)
+    assert result.tokens == reference.tokens[:12]
+
+
+async def test_a_one_hop_route_of_the_whole_model(node_factory, reference):
+    whole = await trio.to_thread.run_sync(lambda: node_factory("0:30"))
+    with trio.fail_after(60):
+        result = await aio(generate, [whole.endpoint], GenerateConfig(prompt=PROMPT, max_tokens=32))
+    assert result.tokens == reference.tokens
