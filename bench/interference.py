@@ -1,0 +1,89 @@
+"""The floor under a one-machine route: llama.cpp compute alone, no transport.
+
+Runs the head (0:15) and the tail (15:30) of the default model in two
+processes that hand each other the residual and the sampled token over a
+bare multiprocessing pipe (no gRPC, no event loop, no protobuf), and the
+whole model in a third, and prints the per-token time of each. Whatever the
+route's transport does, its decode ratio on one machine cannot beat
+whole / (head + tail) measured here.
+
+    python -m bench.interference [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics as st
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+PROMPT_IDS = [504, 3575, 282, 4649, 314]
+
+
+def worker(cut: tuple[int, int], conn: Connection) -> None:
+    from meshnode.executor._bindings import silence_llama_logs
+    from meshnode.executor._llama import LlamaRange
+    from meshnode.executor.config import ExecConfig
+    from meshnode.gguf import ensure_range
+    from meshnode.models import pull
+
+    silence_llama_logs()
+    r = LlamaRange(ensure_range(pull(), *cut), ExecConfig(n_threads=1, n_threads_batch=2, max_sessions=1))
+    conn.send("ready")
+    comp: list[float] = []
+    while (msg := conn.recv()) is not None:
+        pos, x = msg
+        t = time.perf_counter()
+        out = r.forward(0, pos, tokens=x) if r.takes_tokens else r.forward(0, pos, embd=x)
+        comp.append(time.perf_counter() - t)
+        conn.send(out.residual if out.residual is not None else int(np.argmax(out.logits)))
+    conn.send(st.median(comp[5:]) * 1e3)
+    r.close()
+
+
+def chain(cuts: list[tuple[int, int]], n: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in cuts]
+    procs = [ctx.Process(target=worker, args=(c, b)) for c, (_, b) in zip(cuts, pipes, strict=True)]
+    for p in procs:
+        p.start()
+    ends = [a for a, _ in pipes]
+    for a in ends:
+        a.recv()
+    toks: Any = np.array(PROMPT_IDS, dtype=np.int32)
+    pos, ts = 0, []
+    for _ in range(n + 5):
+        t = time.perf_counter()
+        x: Any = toks
+        for a in ends:
+            a.send((pos, x))
+            x = a.recv()
+        ts.append(time.perf_counter() - t)
+        pos += len(toks)
+        toks = np.array([x], dtype=np.int32)
+    for a in ends:
+        a.send(None)
+    computes = [a.recv() for a in ends]
+    for p in procs:
+        p.join()
+    return {"per_token_ms": st.median(ts[5:]) * 1e3, "compute_ms": computes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=128)
+    ns = ap.parse_args()
+    whole = chain([(0, 30)], ns.tokens)
+    route = chain([(0, 15), (15, 30)], ns.tokens)
+    print(f"whole model, 1 process : {whole['per_token_ms']:.2f} ms/token")
+    print(f"head+tail, 2 processes : {route['per_token_ms']:.2f} ms/token "
+          f"(compute head {route['compute_ms'][0]:.2f}, tail {route['compute_ms'][1]:.2f})")
+    print(f"ceiling of a one-machine route's decode ratio: {whole['per_token_ms'] / route['per_token_ms']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
