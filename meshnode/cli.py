@@ -81,7 +81,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.node import NodeConfig, run_node
 
     start, end = parse_layers(ns.layers)
-    cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns))
+    cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
+                     state_dir=Path(ns.state_dir) if ns.state_dir else None)
     if not ns.verbose:
         silence_llama_logs()
 
@@ -145,6 +146,18 @@ def _print_result(result: object, as_json: bool) -> None:
         print(result.text)
 
 
+def cmd_id(ns: argparse.Namespace) -> int:
+    from meshnode.identity import load_or_create
+    from meshnode.paths import state_dir
+
+    ident = load_or_create(Path(ns.state_dir) if ns.state_dir else state_dir())
+    if ns.json:
+        print(json.dumps({"node_id": ident.node_id, "public_key": ident.public_key.hex()}))
+    else:
+        print(ident.node_id)
+    return 0
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     from meshnode.demo import run_demo
 
@@ -174,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="source GGUF file (default: the default model)")
     serve.add_argument("--layers", required=True, help="A:B, layers A..B-1")
     serve.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
+    serve.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
     _add_exec_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -189,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_exec_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    ident = sub.add_parser("id", help="print this node's id (makes its Ed25519 key on first use)")
+    ident.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
+    ident.add_argument("--json", action="store_true", help="also print the public key")
+    ident.set_defaults(func=cmd_id)
 
     demo = sub.add_parser("demo", help="start a two-hop local route on the default model and generate")
     demo.add_argument("--prompt", default="The three primary colors are")

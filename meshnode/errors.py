@@ -80,6 +80,38 @@ class ModelDownloadError(ModelError):
     code = "MODEL_DOWNLOAD"
 
 
+class IntegrityError(ModelError):
+    """The bytes loaded do not match the range's manifest: never served."""
+
+    code = "INTEGRITY_FAILED"
+
+
+# --- signatures and attestations ------------------------------------------
+
+
+class AttestationError(MeshnodeError):
+    """A signed statement does not hold."""
+
+    code = "SIGNATURE_INVALID"
+    party = "peer"
+
+
+class SignatureError(AttestationError):
+    """Forged or tampered: the signature does not verify, or the id is not the key's."""
+
+    code = "SIGNATURE_INVALID"
+
+
+class AttestationExpiredError(AttestationError):
+    code = "ATTESTATION_EXPIRED"
+
+
+class AttestationMismatchError(AttestationError):
+    """Valid signature, but it attests to something other than what is served."""
+
+    code = "ATTESTATION_MISMATCH"
+
+
 # --- the wire ---------------------------------------------------------------
 
 

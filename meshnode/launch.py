@@ -30,6 +30,8 @@ class NodeProcess:
     layers: str
     #: the node's stderr (a temporary file)
     log: IO[str]
+    #: the node's state directory, if it is a temporary one of its own
+    state: tempfile.TemporaryDirectory[str] | None = None
 
     def stderr(self) -> str:
         self.log.seek(0)
@@ -46,11 +48,20 @@ class NodeProcess:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.log.close()
+        if self.state is not None:
+            self.state.cleanup()
 
 
-def start_node(model: Path, layers: str, *, extra: Sequence[str] = (), timeout: float = 120.0) -> NodeProcess:
+def start_node(model: Path, layers: str, *, extra: Sequence[str] = (), timeout: float = 120.0,
+               state_dir: Path | None = None) -> NodeProcess:
+    """A ``meshnode serve`` child on 127.0.0.1, port 0; each gets its own identity
+    (a fresh temporary state directory) unless ``state_dir`` is given."""
+    own_state = None
+    if state_dir is None:
+        own_state = tempfile.TemporaryDirectory(prefix="meshnode-state-")
+        state_dir = Path(own_state.name)
     cmd = [sys.executable, "-m", "meshnode", "serve", "--model", str(model), "--layers", layers,
-           "--listen", "127.0.0.1:0", *extra]
+           "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *extra]
     log = tempfile.TemporaryFile(mode="w+")  # owned (and closed) by NodeProcess
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
@@ -61,12 +72,14 @@ def start_node(model: Path, layers: str, *, extra: Sequence[str] = (), timeout: 
             break
         m = LISTENING.search(line)
         if m:
-            return NodeProcess(proc, m.group(1), layers, log)
+            return NodeProcess(proc, m.group(1), layers, log, own_state)
     proc.kill()
     proc.wait()
     log.seek(0)
     err = log.read()
     log.close()
+    if own_state is not None:
+        own_state.cleanup()
     raise PeerError(f"node for layers {layers} did not start: {err.strip()[-600:]}")
 
 

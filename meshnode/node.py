@@ -10,6 +10,7 @@ import logging
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +20,12 @@ import trio_asyncio
 
 from meshnode import __version__, errors
 from meshnode.executor import ExecConfig, RangeExecutor
+from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
 from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
+from meshnode.identity import NodeIdentity, load_or_create
+from meshnode.identity.attest import attest
+from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
 from meshnode.session.hop import HopLimits
 from meshnode.transport.server import serve_grpc, split_hostport
@@ -45,10 +50,19 @@ class NodeConfig:
     executor: ExecConfig = field(default_factory=ExecConfig)
     #: per-session bounds this node proposes
     limits: HopLimits = field(default_factory=HopLimits)
+    #: where the node's key lives (None: the default state directory)
+    state_dir: Path | None = None
 
 
-def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits) -> pb.Capability:
+LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
+
+
+def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, ident: NodeIdentity,
+               *, now: int | None = None) -> pb.Capability:
     src = artifact.manifest["source"]
+    envelope = attest(ident, fingerprint=artifact.fingerprint, start=artifact.start, end=artifact.end,
+                      range_digest=artifact.range_digest, llama_build=LLAMA_BUILD,
+                      now=int(time.time()) if now is None else now)
     return pb.Capability(
         schema_version=SCHEMA_VERSION,
         service=SERVICE_NAME,
@@ -67,7 +81,9 @@ def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits) -
                              max_prefill_chunk_tokens=min(limits.max_prefill_chunk_tokens, config.n_batch),
                              credits=limits.credits),
         max_sessions=config.max_sessions,
-        llama_build=f"llama-cpp-python {llama_cpp.__version__}",
+        llama_build=LLAMA_BUILD,
+        node_id=ident.node_id,
+        attestation=envelope,
     )
 
 
@@ -94,6 +110,13 @@ def prepare(config: NodeConfig) -> RangeArtifact:
     return art
 
 
+def prepare_verified(config: NodeConfig) -> RangeArtifact:
+    """``prepare``, then check the bytes that will be loaded against the manifest."""
+    art = prepare(config)
+    verify_artifact(art)
+    return art
+
+
 def _child_error(stderr: str) -> errors.MeshnodeError:
     """Rebuild the typed error a ``meshnode`` child printed as ``meshnode: error: CODE: msg``."""
     for line in reversed(stderr.splitlines()):
@@ -104,10 +127,13 @@ def _child_error(stderr: str) -> errors.MeshnodeError:
 
 
 async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    artifact = await trio.to_thread.run_sync(prepare, config)
+    ident = await trio.to_thread.run_sync(load_or_create, config.state_dir or state_dir())
+    artifact = await trio.to_thread.run_sync(prepare_verified, config)
     executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
     try:
-        cap = capability(artifact, config.executor, config.limits)
+        def cap() -> pb.Capability:
+            return capability(artifact, config.executor, config.limits, ident)
+
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
             servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen)
             addr = await nursery.start(serve_grpc, servicer, config.listen)

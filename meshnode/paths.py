@@ -14,3 +14,13 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".cache"
     return base / "meshnode"
+
+
+def state_dir() -> Path:
+    """$STATE_DIRECTORY (systemd), else $XDG_STATE_HOME/meshnode, else ~/.local/state/meshnode."""
+    systemd = os.environ.get("STATE_DIRECTORY")
+    if systemd:
+        return Path(systemd.split(":")[0])
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "meshnode"

@@ -110,6 +110,10 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     EPOCH_STALE: _ErrorCode.ValueType  # 25
     FLOW_CONTROL_VIOLATION: _ErrorCode.ValueType  # 26
     MODEL_DOWNLOAD: _ErrorCode.ValueType  # 27
+    SIGNATURE_INVALID: _ErrorCode.ValueType  # 28
+    ATTESTATION_EXPIRED: _ErrorCode.ValueType  # 29
+    ATTESTATION_MISMATCH: _ErrorCode.ValueType  # 30
+    INTEGRITY_FAILED: _ErrorCode.ValueType  # 31
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper): ...
 
@@ -141,6 +145,10 @@ EXECUTOR_FAILED: ErrorCode.ValueType  # 24
 EPOCH_STALE: ErrorCode.ValueType  # 25
 FLOW_CONTROL_VIOLATION: ErrorCode.ValueType  # 26
 MODEL_DOWNLOAD: ErrorCode.ValueType  # 27
+SIGNATURE_INVALID: ErrorCode.ValueType  # 28
+ATTESTATION_EXPIRED: ErrorCode.ValueType  # 29
+ATTESTATION_MISMATCH: ErrorCode.ValueType  # 30
+INTEGRITY_FAILED: ErrorCode.ValueType  # 31
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
 @_typing.final
@@ -209,6 +217,93 @@ class Numerics(_message.Message):
 Global___Numerics: _TypeAlias = Numerics  # noqa: Y015
 
 @_typing.final
+class SignedEnvelope(_message.Message):
+    """A signed statement: the exact serialized bytes of a message, and the
+    Ed25519 signature over them. Sign bytes, not objects: the verifier checks
+    the payload it received, then parses it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAYLOAD_TYPE_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    SIGNER_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    payload_type: _builtins.str
+    """full name of the payload message, e.g. "meshnode.v1.Attestation" """
+    payload: _builtins.bytes
+    """the serialized payload message"""
+    signer_public_key: _builtins.bytes
+    """raw Ed25519 public key (32 bytes)"""
+    signature: _builtins.bytes
+    """Ed25519 over "meshnode-v1\\0" + payload_type + "\\0" + payload"""
+    def __init__(
+        self,
+        *,
+        payload_type: _builtins.str = ...,
+        payload: _builtins.bytes = ...,
+        signer_public_key: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "payload_type", b"payload_type", "signature", b"signature", "signer_public_key", b"signer_public_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignedEnvelope: _TypeAlias = SignedEnvelope  # noqa: Y015
+
+@_typing.final
+class Attestation(_message.Message):
+    """What a node claims to serve, bound to its key: carried as the payload of a
+    SignedEnvelope in Capability.attestation.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    RANGE_FIELD_NUMBER: _builtins.int
+    RANGE_DIGEST_FIELD_NUMBER: _builtins.int
+    LLAMA_BUILD_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_UNIX_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_UNIX_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """derived from the signer's public key (meshnode.identity)"""
+    model_fingerprint: _builtins.str
+    """sha256 of the source GGUF"""
+    range_digest: _builtins.str
+    """sha256 over the range's tensor digests, as in its manifest"""
+    llama_build: _builtins.str
+    """the llama.cpp build that executes it"""
+    issued_at_unix: _builtins.int
+    """seconds since the epoch"""
+    expires_at_unix: _builtins.int
+    """not valid after this"""
+    @_builtins.property
+    def range(self) -> Global___LayerRange:
+        """the range served"""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        model_fingerprint: _builtins.str = ...,
+        range: Global___LayerRange | None = ...,
+        range_digest: _builtins.str = ...,
+        llama_build: _builtins.str = ...,
+        issued_at_unix: _builtins.int = ...,
+        expires_at_unix: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at_unix", b"expires_at_unix", "issued_at_unix", b"issued_at_unix", "llama_build", b"llama_build", "model_fingerprint", b"model_fingerprint", "node_id", b"node_id", "range", b"range", "range_digest", b"range_digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Attestation: _TypeAlias = Attestation  # noqa: Y015
+
+@_typing.final
 class CapabilityRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -248,6 +343,8 @@ class Capability(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     MAX_SESSIONS_FIELD_NUMBER: _builtins.int
     LLAMA_BUILD_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    ATTESTATION_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """this node's schema version"""
     service: _builtins.str
@@ -274,6 +371,8 @@ class Capability(_message.Message):
     """session slots in total"""
     llama_build: _builtins.str
     """llama-cpp-python version / llama.cpp system info"""
+    node_id: _builtins.str
+    """this node's id (meshnode.identity)"""
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the range this node serves"""
@@ -285,6 +384,10 @@ class Capability(_message.Message):
     @_builtins.property
     def limits(self) -> Global___FlowLimits:
         """this node's own bounds (the strictest side wins)"""
+
+    @_builtins.property
+    def attestation(self) -> Global___SignedEnvelope:
+        """signed Attestation of the range served"""
 
     def __init__(
         self,
@@ -305,10 +408,12 @@ class Capability(_message.Message):
         limits: Global___FlowLimits | None = ...,
         max_sessions: _builtins.int = ...,
         llama_build: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        attestation: Global___SignedEnvelope | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "numerics", b"numerics", "range", b"range"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attestation", b"attestation", "limits", b"limits", "numerics", b"numerics", "range", b"range"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

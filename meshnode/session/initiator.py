@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from meshnode import errors
+from meshnode.identity.attest import verify_attestation
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.routing.chain import PeerView, check_chain
@@ -66,8 +67,21 @@ def peer_view(endpoint: str, cap: pb.Capability) -> PeerView:
                     codec.numerics_key(cap.numerics))
 
 
+def check_attested(endpoint: str, cap: pb.Capability, now: int) -> None:
+    """The capability's own signed attestation must vouch for what it claims."""
+    try:
+        verify_attestation(cap.attestation, now=now, fingerprint=cap.model_fingerprint, start=cap.range.start,
+                           end=cap.range.end, range_digest=cap.range_digest, node_id=cap.node_id)
+    except errors.MeshnodeError as e:
+        e.hop = endpoint
+        raise
+
+
 async def check_route(peers: Sequence[str], timeout: float = 5.0) -> list[pb.Capability]:
     caps = await asyncio.gather(*(get_capability(p, timeout) for p in peers))
+    now = int(time.time())
+    for p, c in zip(peers, caps, strict=True):
+        check_attested(p, c, now)
     check_chain([peer_view(p, c) for p, c in zip(peers, caps, strict=True)])
     return list(caps)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -42,10 +44,12 @@ class _Writer:
 
 
 class NodeServicer(pb_grpc.NodeServicer):
-    def __init__(self, executor: RangeExecutor, capability: pb.Capability, limits: HopLimits,
+    def __init__(self, executor: RangeExecutor, capability: Callable[[], pb.Capability], limits: HopLimits,
                  endpoint: str) -> None:
         self.executor = executor
-        self.capability = capability
+        #: makes a freshly signed capability; renewed well before its attestation expires
+        self._make_capability = capability
+        self.capability = capability()
         self.limits = limits
         self.endpoint = endpoint
         self.sessions: dict[str, HopSession] = {}
@@ -56,6 +60,9 @@ class NodeServicer(pb_grpc.NodeServicer):
     # -- unary --------------------------------------------------------------------
 
     async def GetCapability(self, request: pb.CapabilityRequest, context: Any) -> pb.Capability:
+        att = pb.Attestation.FromString(self.capability.attestation.payload)
+        if att.expires_at_unix - time.time() < (att.expires_at_unix - att.issued_at_unix) / 2:
+            self.capability = self._make_capability()
         return self.capability
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
