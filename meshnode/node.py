@@ -19,6 +19,7 @@ import trio
 import trio_asyncio
 
 from meshnode import __version__, errors
+from meshnode.capabilities import hardware, measure_throughput
 from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
@@ -58,7 +59,8 @@ LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
 
 
 def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, ident: NodeIdentity,
-               *, now: int | None = None) -> pb.Capability:
+               *, now: int | None = None, hardware: pb.Hardware | None = None,
+               throughput: pb.Throughput | None = None, endpoints: list[str] | None = None) -> pb.Capability:
     src = artifact.manifest["source"]
     envelope = attest(ident, fingerprint=artifact.fingerprint, start=artifact.start, end=artifact.end,
                       range_digest=artifact.range_digest, llama_build=LLAMA_BUILD,
@@ -84,6 +86,9 @@ def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, i
         llama_build=LLAMA_BUILD,
         node_id=ident.node_id,
         attestation=envelope,
+        hardware=hardware,
+        throughput=throughput,
+        endpoints=endpoints or [],
     )
 
 
@@ -131,13 +136,20 @@ async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = tr
     artifact = await trio.to_thread.run_sync(prepare_verified, config)
     executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
     try:
+        hw = await trio.to_thread.run_sync(hardware)
+        tput = await trio.to_thread.run_sync(executor.run_blocking, measure_throughput)
+        endpoints: list[str] = []
+
         def cap() -> pb.Capability:
-            return capability(artifact, config.executor, config.limits, ident)
+            return capability(artifact, config.executor, config.limits, ident, hardware=hw, throughput=tput,
+                              endpoints=endpoints)
 
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
             servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen)
             addr = await nursery.start(serve_grpc, servicer, config.listen)
             servicer.endpoint = addr
+            endpoints.append(addr)
+            servicer.capability = cap()
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
             task_status.started(addr)
     finally:

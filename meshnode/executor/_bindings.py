@@ -102,3 +102,54 @@ def silence_llama_logs() -> None:
 
     _LOG_CB = llama_cpp.llama_log_callback(_quiet)  # keep a reference: llama.cpp holds the pointer
     llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p())
+
+
+# -- ggml backend devices (ggml-backend.h; not wrapped by llama-cpp-python) ----------
+#   size_t ggml_backend_dev_count(void);
+#   ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+#   const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+#   const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+#   void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+#   enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+@functools.cache
+def ggml() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(LIB_DIR / "libggml.so"))
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, name).restype = ctypes.c_char_p
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.argtypes = [
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)
+    ]
+    return lib
+
+
+def backend_devices() -> list[dict[str, Any]]:
+    """Every device llama.cpp's ggml backends report (a GPU build lists its GPUs here)."""
+    backend_init()
+    lib = ggml()
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append({
+            "name": (lib.ggml_backend_dev_name(dev) or b"").decode(),
+            "description": (lib.ggml_backend_dev_description(dev) or b"").decode(),
+            "type": DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev), "unknown"),
+            "memory_free_bytes": free.value,
+            "memory_total_bytes": total.value,
+        })
+    return out
+
+
+def system_info() -> str:
+    return str(llama_cpp.llama_print_system_info().decode())

@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +36,8 @@ from meshnode.errors import CapacityError
 from meshnode.executor._llama import F32, LlamaRange, StepOutput, Vocab
 from meshnode.executor.config import ExecConfig
 from meshnode.gguf.slicer import RangeArtifact, Role
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,10 @@ class RangeExecutor:
         self.config = config
         self._free = list(range(config.max_sessions - 1, -1, -1))
         self.steps_total = 0
+
+    def run_blocking(self, fn: Callable[[LlamaRange], T]) -> T:
+        """Run ``fn(range)`` on the executor's thread and wait (start-up work only)."""
+        return self._pool.submit(fn, self._range).result()
 
     # -- properties of the range -------------------------------------------------
 

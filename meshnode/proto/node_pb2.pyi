@@ -304,6 +304,116 @@ class Attestation(_message.Message):
 Global___Attestation: _TypeAlias = Attestation  # noqa: Y015
 
 @_typing.final
+class Device(_message.Message):
+    """A compute device as llama.cpp's ggml backends report it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """ggml_backend_dev_name, e.g. "CPU", "CUDA0" """
+    description: _builtins.str
+    """ggml_backend_dev_description"""
+    type: _builtins.str
+    """cpu | gpu | igpu | accel"""
+    memory_total_bytes: _builtins.int
+    """ggml_backend_dev_memory total"""
+    memory_free_bytes: _builtins.int
+    """ggml_backend_dev_memory free"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        type: _builtins.str = ...,
+        memory_total_bytes: _builtins.int = ...,
+        memory_free_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "memory_free_bytes", b"memory_free_bytes", "memory_total_bytes", b"memory_total_bytes", "name", b"name", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Device: _TypeAlias = Device  # noqa: Y015
+
+@_typing.final
+class Hardware(_message.Message):
+    """What the machine has."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CPU_MODEL_FIELD_NUMBER: _builtins.int
+    CORES_FIELD_NUMBER: _builtins.int
+    CPU_FEATURES_FIELD_NUMBER: _builtins.int
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    cpu_model: _builtins.str
+    """/proc/cpuinfo model name"""
+    cores: _builtins.int
+    """logical CPUs"""
+    memory_total_bytes: _builtins.int
+    """MemTotal"""
+    memory_available_bytes: _builtins.int
+    """MemAvailable when measured"""
+    @_builtins.property
+    def cpu_features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """instruction-set features llama.cpp was built to use (system info)"""
+
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]:
+        """every ggml backend device (CPU included)"""
+
+    def __init__(
+        self,
+        *,
+        cpu_model: _builtins.str = ...,
+        cores: _builtins.int = ...,
+        cpu_features: _abc.Iterable[_builtins.str] | None = ...,
+        memory_total_bytes: _builtins.int = ...,
+        memory_available_bytes: _builtins.int = ...,
+        devices: _abc.Iterable[Global___Device] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cores", b"cores", "cpu_features", b"cpu_features", "cpu_model", b"cpu_model", "devices", b"devices", "memory_available_bytes", b"memory_available_bytes", "memory_total_bytes", b"memory_total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Hardware: _TypeAlias = Hardware  # noqa: Y015
+
+@_typing.final
+class Throughput(_message.Message):
+    """Throughput of this node's range, measured by the node itself at start."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    decode_tokens_per_second: _builtins.float
+    """single-session decode steps per second"""
+    prefill_tokens_per_second: _builtins.float
+    """tokens per second of a 64-token prefill"""
+    def __init__(
+        self,
+        *,
+        decode_tokens_per_second: _builtins.float = ...,
+        prefill_tokens_per_second: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "prefill_tokens_per_second", b"prefill_tokens_per_second"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Throughput: _TypeAlias = Throughput  # noqa: Y015
+
+@_typing.final
 class CapabilityRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -345,6 +455,9 @@ class Capability(_message.Message):
     LLAMA_BUILD_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     ATTESTATION_FIELD_NUMBER: _builtins.int
+    HARDWARE_FIELD_NUMBER: _builtins.int
+    THROUGHPUT_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """this node's schema version"""
     service: _builtins.str
@@ -389,6 +502,18 @@ class Capability(_message.Message):
     def attestation(self) -> Global___SignedEnvelope:
         """signed Attestation of the range served"""
 
+    @_builtins.property
+    def hardware(self) -> Global___Hardware:
+        """what the machine has"""
+
+    @_builtins.property
+    def throughput(self) -> Global___Throughput:
+        """measured throughput of this range"""
+
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host:port addresses this node serves on"""
+
     def __init__(
         self,
         *,
@@ -410,10 +535,13 @@ class Capability(_message.Message):
         llama_build: _builtins.str = ...,
         node_id: _builtins.str = ...,
         attestation: Global___SignedEnvelope | None = ...,
+        hardware: Global___Hardware | None = ...,
+        throughput: Global___Throughput | None = ...,
+        endpoints: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attestation", b"attestation", "limits", b"limits", "numerics", b"numerics", "range", b"range"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attestation", b"attestation", "hardware", b"hardware", "limits", b"limits", "numerics", b"numerics", "range", b"range", "throughput", b"throughput"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "endpoints", b"endpoints", "hardware", b"hardware", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service", "throughput", b"throughput"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

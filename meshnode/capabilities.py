@@ -1,0 +1,76 @@
+"""What a node has: CPU, memory, llama.cpp devices, and its range's measured throughput."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+from meshnode.executor import _bindings
+from meshnode.executor._llama import LlamaRange
+from meshnode.proto import node_pb2 as pb
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def cpu_features(system_info: str) -> list[str]:
+    """Features llama.cpp reports as built in and used ('AVX2 = 1 | ...'). Pure."""
+    return [m.group(1) for m in re.finditer(r"([A-Z0-9_]+) = 1", system_info)]
+
+
+def hardware() -> pb.Hardware:
+    mem = _meminfo()
+    return pb.Hardware(
+        cpu_model=_cpu_model(),
+        cores=os.cpu_count() or 1,
+        cpu_features=cpu_features(_bindings.system_info()),
+        memory_total_bytes=mem.get("MemTotal", 0),
+        memory_available_bytes=mem.get("MemAvailable", 0),
+        devices=[pb.Device(**d) for d in _bindings.backend_devices()],
+    )
+
+
+def measure_throughput(rng: LlamaRange, *, prefill_tokens: int = 64, decode_steps: int = 16) -> pb.Throughput:
+    """A short prefill and a few decode steps on the range's last slot, then freed. Blocking."""
+    seq = rng.config.max_sessions - 1
+    n = min(prefill_tokens, rng.config.n_batch, rng.n_ctx_seq - decode_steps)
+
+    def step(pos: int, k: int) -> None:
+        if rng.takes_tokens:
+            rng.forward(seq, pos, tokens=np.zeros(k, dtype=np.int32))
+        else:
+            rng.forward(seq, pos, embd=np.zeros((k, rng.n_embd), dtype=np.float32))
+
+    try:
+        t0 = time.perf_counter()
+        step(0, n)
+        prefill = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for i in range(decode_steps):
+            step(n + i, 1)
+        decode = time.perf_counter() - t1
+    finally:
+        rng.release(seq)
+    return pb.Throughput(decode_tokens_per_second=decode_steps / decode, prefill_tokens_per_second=n / prefill)
