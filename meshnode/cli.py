@@ -8,6 +8,7 @@ line naming its code and, for a peer's failure, the hop.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import signal
@@ -82,7 +83,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     start, end = parse_layers(ns.layers)
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
-                     state_dir=Path(ns.state_dir) if ns.state_dir else None)
+                     state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns)
     if not ns.verbose:
         silence_llama_logs()
 
@@ -158,6 +159,29 @@ def cmd_id(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_peers(ns: argparse.Namespace) -> int:
+    from meshnode.discovery.mdns import PeerTable, run_mdns
+
+    table = PeerTable()
+
+    async def main() -> None:
+        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(run_mdns, table, interface=ns.mdns))
+            await trio.sleep(ns.wait)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    rows = [{"node_id": e.node_id, "endpoint": e.endpoint, "range": [e.capability.range.start, e.capability.range.end],
+             "model": e.capability.model_fingerprint, "role": e.capability.role, "source": e.source}
+            for e in sorted(table.live().values(), key=lambda e: (e.capability.range.start, e.node_id))]
+    if ns.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            print(f"{r['node_id']}  {r['endpoint']:<22} layers {r['range'][0]}:{r['range'][1]}  {r['role']}")
+    return 0
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     from meshnode.demo import run_demo
 
@@ -188,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--layers", required=True, help="A:B, layers A..B-1")
     serve.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
     serve.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
+    serve.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
     _add_exec_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -208,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
     ident.add_argument("--json", action="store_true", help="also print the public key")
     ident.set_defaults(func=cmd_id)
+
+    peers = sub.add_parser("peers", help="list the peers found over mDNS (attestations verified)")
+    peers.add_argument("--mdns", metavar="ADDR", required=True, help="interface address to browse on")
+    peers.add_argument("--wait", type=float, default=3.0, help="seconds to browse")
+    peers.add_argument("--json", action="store_true")
+    peers.set_defaults(func=cmd_peers)
 
     demo = sub.add_parser("demo", help="start a two-hop local route on the default model and generate")
     demo.add_argument("--prompt", default="The three primary colors are")

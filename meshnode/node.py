@@ -6,6 +6,7 @@ through ``task_status.started`` once the node really serves.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import subprocess
@@ -20,6 +21,7 @@ import trio_asyncio
 
 from meshnode import __version__, errors
 from meshnode.capabilities import hardware, measure_throughput
+from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
@@ -53,6 +55,8 @@ class NodeConfig:
     limits: HopLimits = field(default_factory=HopLimits)
     #: where the node's key lives (None: the default state directory)
     state_dir: Path | None = None
+    #: advertise and browse over mDNS on this interface address (None: no mDNS)
+    mdns_interface: str | None = None
 
 
 LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
@@ -150,6 +154,11 @@ async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = tr
             servicer.endpoint = addr
             endpoints.append(addr)
             servicer.capability = cap()
+            if config.mdns_interface:
+                host, port = split_hostport(addr)
+                advertised = f"{config.mdns_interface}:{port}" if host in ("0.0.0.0", "::") else addr
+                await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
+                                                      node_id=ident.node_id, endpoint=advertised))
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
             task_status.started(addr)
     finally:

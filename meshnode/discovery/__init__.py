@@ -1,0 +1,1 @@
+"""Finding peers: mDNS on the LAN (mdns.py) into one verified peer table (table.py)."""
