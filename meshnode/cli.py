@@ -111,12 +111,19 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise errors.InputError("--temperature must be >= 0")
     cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,
                          wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32)
-    if ns.peer and ns.model:
-        raise errors.InputError("give either --peer (a route) or --model (the whole model here), not both")
-    if ns.peer:
+    if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
+        raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
+    if ns.mesh and not ns.mdns:
+        raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR")
+    if ns.peer or ns.mesh:
         async def main() -> object:
             async with trio_asyncio.open_loop():
-                return await trio_asyncio.aio_as_trio(generate)(ns.peer, cfg)
+                peers = ns.peer
+                if ns.mesh:
+                    from meshnode.session.mesh import find_route
+
+                    peers = await find_route(ns.mesh, mdns_interface=ns.mdns, timeout=ns.discover_timeout)
+                return await trio_asyncio.aio_as_trio(generate)(peers, cfg)
 
         result = trio.run(main)
     else:
@@ -219,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text across a route, or with the whole model here")
     gen.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")
     gen.add_argument("--model", help="without --peer: run this whole GGUF here")
+    gen.add_argument("--mesh", metavar="NAME_OR_FINGERPRINT",
+                     help="find a route for this model (general.name, or sha256 / a prefix of 8+ digits)")
+    gen.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
+    gen.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
     gen.add_argument("--prompt", required=True, help="raw completion text")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

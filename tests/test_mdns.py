@@ -49,3 +49,52 @@ async def test_nodes_find_each_other_and_a_leaving_node_expires(node_factory):
             await _wait_for(table, lambda peers: gone_id not in peers)
         assert found[b.endpoint].node_id in table.live()
         nursery.cancel_scope.cancel()
+
+
+def _generate_mesh(query: str, *extra: str):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import PROMPT
+
+    proc = subprocess.run([sys.executable, "-m", "meshnode", "generate", "--mesh", query, "--mdns", "127.0.0.1",
+                           "--prompt", PROMPT, "--max-tokens", "32", "--json", *extra],
+                          capture_output=True, text=True, timeout=300)
+    return proc, (json.loads(proc.stdout) if proc.returncode == 0 else None)
+
+
+async def test_generate_finds_its_route_over_mdns_and_avoids_a_node_that_left(node_factory, reference, tmp_path,
+                                                                              model):
+    import shutil
+
+    # a model of our own (same tensors, another file), so other nodes on this machine cannot interfere
+    own = tmp_path / "mesh-model.gguf"
+    shutil.copyfile(model, own)
+    with own.open("ab") as fh:
+        fh.write(b"\0" * 64)
+    from meshnode.gguf.model import fingerprint
+
+    fp = fingerprint(own)
+    extra = ("--mdns", "127.0.0.1")
+    head = await trio.to_thread.run_sync(lambda: node_factory("0:15", source=own, extra=extra))
+    tail1 = await trio.to_thread.run_sync(lambda: node_factory("15:30", source=own, extra=extra))
+    tail2 = await trio.to_thread.run_sync(lambda: node_factory("15:30", source=own, extra=extra))
+    proc, out = await trio.to_thread.run_sync(_generate_mesh, fp[:16])
+    assert proc.returncode == 0, proc.stderr
+    assert out["tokens"] == reference.tokens
+    assert out["route"][0] == head.endpoint
+    assert out["route"][1] in (tail1.endpoint, tail2.endpoint)
+    # the chosen tail leaves; new routes avoid it
+    left = tail1 if out["route"][1] == tail1.endpoint else tail2
+    stay = tail2 if left is tail1 else tail1
+    await trio.to_thread.run_sync(left.stop)
+    proc, out = await trio.to_thread.run_sync(_generate_mesh, fp[:16])
+    assert proc.returncode == 0, proc.stderr
+    assert out["route"] == [head.endpoint, stay.endpoint]
+    assert out["tokens"] == reference.tokens
+    # without any tail the route has a gap, named
+    await trio.to_thread.run_sync(stay.stop)
+    proc, _ = await trio.to_thread.run_sync(_generate_mesh, fp[:16], "--discover-timeout", "2")
+    assert proc.returncode == 2
+    assert "layers 15-29 are not served by any reachable node" in proc.stderr

@@ -1,0 +1,95 @@
+"""Self-assembled routes: find peers of a model, measure them, choose the chain.
+
+``find_route`` browses (mDNS now; the tracker joins the same peer table
+later) until the peers of the model named cover every layer, gives late
+replicas a moment to answer, measures each candidate's round trip and free
+capacity with a Health call, and asks the pure ``choose_route``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import trio
+import trio_asyncio
+
+from meshnode import errors
+from meshnode.discovery.mdns import PeerTable, run_mdns
+from meshnode.discovery.table import PeerEntry
+from meshnode.routing.choose import Candidate, choose_route
+from meshnode.transport.client import health
+
+#: after the model is first covered, wait this long for more replicas
+SETTLE = 0.5
+
+
+def matches(entry: PeerEntry, query: str) -> bool:
+    """A model named by its fingerprint (or a prefix of 8+ hex digits) or its general.name. Pure."""
+    cap = entry.capability
+    q = query.strip().lower()
+    if len(q) >= 8 and cap.model_fingerprint.startswith(q):
+        return True
+    return cap.model_name.lower() == q
+
+
+def _covered(peers: list[PeerEntry]) -> bool:
+    if not peers:
+        return False
+    n = peers[0].capability.n_layer
+    try:
+        choose_route([Candidate(p.node_id, p.endpoint, p.capability.range.start, p.capability.range.end,
+                                1.0, 0.0, 1) for p in peers], n)
+    except errors.RouteError:
+        return False
+    return True
+
+
+async def _measure(entry: PeerEntry) -> Candidate | None:
+    t0 = time.perf_counter()
+    try:
+        h = await trio_asyncio.aio_as_trio(health)(entry.endpoint, 3.0)
+    except errors.MeshnodeError:
+        return None
+    rtt = time.perf_counter() - t0
+    cap = entry.capability
+    return Candidate(entry.node_id, entry.endpoint, cap.range.start, cap.range.end,
+                     cap.throughput.decode_tokens_per_second, rtt, h.free_sessions if h.serving else 0)
+
+
+async def candidates_of(table: PeerTable, query: str, timeout: float) -> list[PeerEntry]:
+    """The peers of the model ``query``, once they cover it (or whatever is known at ``timeout``)."""
+    with trio.move_on_after(timeout):
+        while True:
+            peers = [p for p in table.live().values() if matches(p, query)]
+            if _covered(peers):
+                await trio.sleep(SETTLE)
+                break
+            await table.changed.wait()
+    return [p for p in table.live().values() if matches(p, query)]
+
+
+async def find_route(query: str, *, mdns_interface: str, timeout: float = 5.0,
+                     load: dict[str, int] | None = None) -> list[str]:
+    """Endpoints of the fastest route for model ``query``. Needs a trio-asyncio loop."""
+    table = PeerTable()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(run_mdns, table, interface=mdns_interface))
+        peers = await candidates_of(table, query, timeout)
+        nursery.cancel_scope.cancel()
+    if not peers:
+        raise errors.RouteError(f"no reachable node serves a model named {query!r} (looked for {timeout:.0f}s)")
+    fingerprints = {p.capability.model_fingerprint for p in peers}
+    if len(fingerprints) > 1:
+        raise errors.RouteError(f"{query!r} names {len(fingerprints)} different models; give a fingerprint")
+    measured: list[Candidate] = []
+    async with trio.open_nursery() as nursery:
+        async def one(p: PeerEntry) -> None:
+            cand = await _measure(p)
+            if cand is not None:
+                measured.append(cand)
+
+        for p in peers:
+            nursery.start_soon(one, p)
+    route = choose_route(sorted(measured, key=lambda c: c.node_id), peers[0].capability.n_layer, load=load)
+    return [c.endpoint for c in route]
