@@ -106,6 +106,34 @@ class AttestationExpiredError(AttestationError):
     code = "ATTESTATION_EXPIRED"
 
 
+class OpenForgedError(AttestationError):
+    """A route open whose signature does not verify."""
+
+    code = "OPEN_FORGED"
+
+
+class OpenExpiredError(AttestationError):
+    code = "OPEN_EXPIRED"
+
+
+class OpenReplayedError(AttestationError):
+    """A route open whose nonce this hop has already accepted."""
+
+    code = "OPEN_REPLAYED"
+
+
+class OpenMismatchError(AttestationError):
+    """A genuine open for another hop, range, model or session."""
+
+    code = "OPEN_MISMATCH"
+
+
+class OpenUnauthenticatedError(AttestationError):
+    """The stream does not come from the previous hop the open names."""
+
+    code = "OPEN_UNAUTHENTICATED"
+
+
 class AttestationMismatchError(AttestationError):
     """Valid signature, but it attests to something other than what is served."""
 

@@ -149,7 +149,7 @@ async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = tr
                               endpoints=endpoints)
 
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-            servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen)
+            servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen, ident=ident)
             addr = await nursery.start(serve_grpc, servicer, config.listen)
             servicer.endpoint = addr
             endpoints.append(addr)

@@ -118,3 +118,22 @@ def no_leaked_threads() -> Iterator[None]:
     yield
     leaked = [t for t in threading.enumerate() if t.ident not in before and t.is_alive() and not t.daemon]
     assert not leaked, f"test leaked threads: {leaked}"
+
+
+def open_frame(sid: str, cap: Any, ident: Any = None, *, epoch: int = 1, now: int | None = None) -> Any:
+    """A SessionOpen for a one-hop route to ``cap``'s node, signed by ``ident`` (fresh if None)."""
+    import time
+
+    from meshnode.identity import NodeIdentity
+    from meshnode.identity.routeauth import HopPlan, sign_route
+    from meshnode.proto import node_pb2 as pb
+    from meshnode.wire.schema import SCHEMA_VERSION
+
+    ident = ident or NodeIdentity.generate()
+    plan = HopPlan(cap.node_id, cap.attestation.signer_public_key, cap.range.start, cap.range.end)
+    (signed,) = sign_route(ident, session_id=sid, epoch=epoch, fingerprint=cap.model_fingerprint, hops=[plan],
+                           now=int(time.time()) if now is None else now)
+    return pb.SessionFrame(route_session_id=sid, route_epoch=epoch, open=pb.SessionOpen(
+        schema_version=SCHEMA_VERSION, route_session_id=sid, route_epoch=epoch,
+        model_fingerprint=cap.model_fingerprint, range=cap.range, numerics=cap.numerics, limits=cap.limits,
+        signed_open=signed))

@@ -22,7 +22,7 @@ from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, check_route, generate
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import encode_bundle
-from tests.conftest import PROMPT, aio
+from tests.conftest import PROMPT, aio, open_frame
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -129,9 +129,7 @@ async def test_a_peer_serving_another_model_is_refused(model, tmp_path, route2, 
 
 
 def _open(sid: str, cap: pb.Capability) -> pb.SessionFrame:
-    return pb.SessionFrame(route_session_id=sid, route_epoch=1, open=pb.SessionOpen(
-        schema_version=SCHEMA_VERSION, route_session_id=sid, route_epoch=1,
-        model_fingerprint=cap.model_fingerprint, range=cap.range, numerics=cap.numerics, limits=cap.limits))
+    return open_frame(sid, cap)
 
 
 def _step(sid: str, step_id: int, bundle: pb.TensorBundle, n_past: int = 0) -> pb.SessionFrame:

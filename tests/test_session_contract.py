@@ -11,13 +11,11 @@ from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import encode_bundle
-from tests.conftest import aio
+from tests.conftest import aio, open_frame
 
 
 def _open(sid: str, cap: pb.Capability) -> pb.SessionFrame:
-    return pb.SessionFrame(route_session_id=sid, route_epoch=1, open=pb.SessionOpen(
-        schema_version=SCHEMA_VERSION, route_session_id=sid, route_epoch=1,
-        model_fingerprint=cap.model_fingerprint, range=cap.range, numerics=cap.numerics, limits=cap.limits))
+    return open_frame(sid, cap)
 
 
 def _step(sid: str, step_id: int, x: np.ndarray, n_past: int, *, epoch: int = 1, work: str = "") -> pb.SessionFrame:

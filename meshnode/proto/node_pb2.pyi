@@ -114,6 +114,11 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     ATTESTATION_EXPIRED: _ErrorCode.ValueType  # 29
     ATTESTATION_MISMATCH: _ErrorCode.ValueType  # 30
     INTEGRITY_FAILED: _ErrorCode.ValueType  # 31
+    OPEN_FORGED: _ErrorCode.ValueType  # 32
+    OPEN_EXPIRED: _ErrorCode.ValueType  # 33
+    OPEN_REPLAYED: _ErrorCode.ValueType  # 34
+    OPEN_MISMATCH: _ErrorCode.ValueType  # 35
+    OPEN_UNAUTHENTICATED: _ErrorCode.ValueType  # 36
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper): ...
 
@@ -149,6 +154,11 @@ SIGNATURE_INVALID: ErrorCode.ValueType  # 28
 ATTESTATION_EXPIRED: ErrorCode.ValueType  # 29
 ATTESTATION_MISMATCH: ErrorCode.ValueType  # 30
 INTEGRITY_FAILED: ErrorCode.ValueType  # 31
+OPEN_FORGED: ErrorCode.ValueType  # 32
+OPEN_EXPIRED: ErrorCode.ValueType  # 33
+OPEN_REPLAYED: ErrorCode.ValueType  # 34
+OPEN_MISMATCH: ErrorCode.ValueType  # 35
+OPEN_UNAUTHENTICATED: ErrorCode.ValueType  # 36
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
 @_typing.final
@@ -412,6 +422,149 @@ class Throughput(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Throughput: _TypeAlias = Throughput  # noqa: Y015
+
+@_typing.final
+class RouteOpen(_message.Message):
+    """The initiator's signed order to one hop: carried in SessionOpen.signed_open
+    (and, for later hops, in Hop.signed_open) as the payload of a SignedEnvelope
+    signed by the initiator's node key.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_SESSION_ID_FIELD_NUMBER: _builtins.int
+    ROUTE_EPOCH_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    RANGE_FIELD_NUMBER: _builtins.int
+    HOP_NODE_ID_FIELD_NUMBER: _builtins.int
+    PREV_NODE_ID_FIELD_NUMBER: _builtins.int
+    PREV_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    NEXT_NODE_ID_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_UNIX_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_UNIX_FIELD_NUMBER: _builtins.int
+    INITIATOR_NODE_ID_FIELD_NUMBER: _builtins.int
+    route_session_id: _builtins.str
+    """the route session"""
+    route_epoch: _builtins.int
+    """its epoch"""
+    model_fingerprint: _builtins.str
+    """the model the route runs"""
+    hop_node_id: _builtins.str
+    """the hop this order is for"""
+    prev_node_id: _builtins.str
+    """who may feed this hop: the previous hop, or the initiator for the head"""
+    prev_public_key: _builtins.bytes
+    """that party's Ed25519 key (from its attestation)"""
+    next_node_id: _builtins.str
+    """the hop this one feeds ("" for the tail)"""
+    nonce: _builtins.bytes
+    """16 random bytes; a hop accepts each nonce once"""
+    issued_at_unix: _builtins.int
+    """seconds since the epoch"""
+    expires_at_unix: _builtins.int
+    """the open must arrive before this"""
+    initiator_node_id: _builtins.str
+    """derived from the envelope's signer key"""
+    @_builtins.property
+    def range(self) -> Global___LayerRange:
+        """the range this hop is to run"""
+
+    def __init__(
+        self,
+        *,
+        route_session_id: _builtins.str = ...,
+        route_epoch: _builtins.int = ...,
+        model_fingerprint: _builtins.str = ...,
+        range: Global___LayerRange | None = ...,
+        hop_node_id: _builtins.str = ...,
+        prev_node_id: _builtins.str = ...,
+        prev_public_key: _builtins.bytes = ...,
+        next_node_id: _builtins.str = ...,
+        nonce: _builtins.bytes = ...,
+        issued_at_unix: _builtins.int = ...,
+        expires_at_unix: _builtins.int = ...,
+        initiator_node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at_unix", b"expires_at_unix", "hop_node_id", b"hop_node_id", "initiator_node_id", b"initiator_node_id", "issued_at_unix", b"issued_at_unix", "model_fingerprint", b"model_fingerprint", "next_node_id", b"next_node_id", "nonce", b"nonce", "prev_node_id", b"prev_node_id", "prev_public_key", b"prev_public_key", "range", b"range", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RouteOpen: _TypeAlias = RouteOpen  # noqa: Y015
+
+@_typing.final
+class RouteForward(_message.Message):
+    """The previous hop's proof, on the stream it opens downstream, that it is
+    the prev_node_id the initiator named: signed by the previous hop's key.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_SESSION_ID_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    FORWARDER_NODE_ID_FIELD_NUMBER: _builtins.int
+    route_session_id: _builtins.str
+    """the route session"""
+    nonce: _builtins.bytes
+    """the nonce of the RouteOpen it forwards"""
+    forwarder_node_id: _builtins.str
+    """its own node id"""
+    def __init__(
+        self,
+        *,
+        route_session_id: _builtins.str = ...,
+        nonce: _builtins.bytes = ...,
+        forwarder_node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forwarder_node_id", b"forwarder_node_id", "nonce", b"nonce", "route_session_id", b"route_session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RouteForward: _TypeAlias = RouteForward  # noqa: Y015
+
+@_typing.final
+class RouteAccept(_message.Message):
+    """A hop's signed acceptance of an open (SessionAccepted.acceptances)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_SESSION_ID_FIELD_NUMBER: _builtins.int
+    ROUTE_EPOCH_FIELD_NUMBER: _builtins.int
+    HOP_NODE_ID_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    RANGE_FIELD_NUMBER: _builtins.int
+    route_session_id: _builtins.str
+    """the route session"""
+    route_epoch: _builtins.int
+    """its epoch"""
+    hop_node_id: _builtins.str
+    """the accepting hop"""
+    nonce: _builtins.bytes
+    """the nonce of the RouteOpen accepted"""
+    @_builtins.property
+    def range(self) -> Global___LayerRange:
+        """the range it will run"""
+
+    def __init__(
+        self,
+        *,
+        route_session_id: _builtins.str = ...,
+        route_epoch: _builtins.int = ...,
+        hop_node_id: _builtins.str = ...,
+        nonce: _builtins.bytes = ...,
+        range: Global___LayerRange | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hop_node_id", b"hop_node_id", "nonce", b"nonce", "range", b"range", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RouteAccept: _TypeAlias = RouteAccept  # noqa: Y015
 
 @_typing.final
 class CapabilityRequest(_message.Message):
@@ -715,13 +868,18 @@ class Hop(_message.Message):
     ENDPOINT_FIELD_NUMBER: _builtins.int
     RANGE_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
+    SIGNED_OPEN_FIELD_NUMBER: _builtins.int
     endpoint: _builtins.str
     """host:port of the hop's Node service"""
     node_id: _builtins.str
-    """the hop's node id (set once identities exist)"""
+    """the hop's node id"""
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the range it is to run"""
+
+    @_builtins.property
+    def signed_open(self) -> Global___SignedEnvelope:
+        """the initiator's RouteOpen for this hop"""
 
     def __init__(
         self,
@@ -729,10 +887,11 @@ class Hop(_message.Message):
         endpoint: _builtins.str = ...,
         range: Global___LayerRange | None = ...,
         node_id: _builtins.str = ...,
+        signed_open: Global___SignedEnvelope | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range", "signed_open", b"signed_open"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "node_id", b"node_id", "range", b"range"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "node_id", b"node_id", "range", b"range", "signed_open", b"signed_open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -788,6 +947,8 @@ class SessionOpen(_message.Message):
     NUMERICS_FIELD_NUMBER: _builtins.int
     RETURN_LOGITS_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _builtins.int
+    SIGNED_OPEN_FIELD_NUMBER: _builtins.int
+    FORWARDER_PROOF_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """sender's schema version"""
     route_session_id: _builtins.str
@@ -822,6 +983,14 @@ class SessionOpen(_message.Message):
     def numerics(self) -> Global___Numerics:
         """numerics the initiator expects on every hop"""
 
+    @_builtins.property
+    def signed_open(self) -> Global___SignedEnvelope:
+        """the initiator's RouteOpen for this hop"""
+
+    @_builtins.property
+    def forwarder_proof(self) -> Global___SignedEnvelope:
+        """RouteForward signed by the previous hop (absent for the head)"""
+
     def __init__(
         self,
         *,
@@ -837,10 +1006,12 @@ class SessionOpen(_message.Message):
         numerics: Global___Numerics | None = ...,
         return_logits: _builtins.bool = ...,
         deadline_unix_nanos: _builtins.int = ...,
+        signed_open: Global___SignedEnvelope | None = ...,
+        forwarder_proof: Global___SignedEnvelope | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "numerics", b"numerics", "range", b"range", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["forwarder_proof", b"forwarder_proof", "limits", b"limits", "numerics", b"numerics", "range", b"range", "sampling", b"sampling", "signed_open", b"signed_open"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_nanos", b"deadline_unix_nanos", "downstream", b"downstream", "limits", b"limits", "model_fingerprint", b"model_fingerprint", "numerics", b"numerics", "range", b"range", "return_logits", b"return_logits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "sampling", b"sampling", "schema_version", b"schema_version", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_nanos", b"deadline_unix_nanos", "downstream", b"downstream", "forwarder_proof", b"forwarder_proof", "limits", b"limits", "model_fingerprint", b"model_fingerprint", "numerics", b"numerics", "range", b"range", "return_logits", b"return_logits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "sampling", b"sampling", "schema_version", b"schema_version", "signed_open", b"signed_open", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -856,6 +1027,7 @@ class SessionAccepted(_message.Message):
     ROUTE_EPOCH_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     HOPS_FIELD_NUMBER: _builtins.int
+    ACCEPTANCES_FIELD_NUMBER: _builtins.int
     route_session_id: _builtins.str
     """echo of the open"""
     route_epoch: _builtins.int
@@ -868,6 +1040,10 @@ class SessionAccepted(_message.Message):
     def hops(self) -> _containers.RepeatedCompositeFieldContainer[Global___Capability]:
         """this hop's capability, then each downstream hop's"""
 
+    @_builtins.property
+    def acceptances(self) -> _containers.RepeatedCompositeFieldContainer[Global___SignedEnvelope]:
+        """RouteAccept of this hop, then of each downstream hop"""
+
     def __init__(
         self,
         *,
@@ -875,10 +1051,11 @@ class SessionAccepted(_message.Message):
         route_epoch: _builtins.int = ...,
         limits: Global___FlowLimits | None = ...,
         hops: _abc.Iterable[Global___Capability] | None = ...,
+        acceptances: _abc.Iterable[Global___SignedEnvelope] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hops", b"hops", "limits", b"limits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptances", b"acceptances", "hops", b"hops", "limits", b"limits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,6 +26,8 @@ import numpy as np
 
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
+from meshnode.identity import NodeIdentity
+from meshnode.identity.routeauth import accept, check_open, forward_proof
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.sampling import sample
@@ -93,6 +95,9 @@ class HopSession:
     capability: pb.Capability
     limits: HopLimits
     endpoint: str
+    ident: NodeIdentity
+    #: nonces of accepted route opens -> expiry (shared by the node's sessions)
+    nonces: dict[bytes, int]
     session_id: str = ""
     epoch: int = 0
     slot: int | None = None
@@ -103,6 +108,7 @@ class HopSession:
     last_result: pb.StepResult | None = None
     cancelled_work: set[str] = field(default_factory=set)
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    route_open: pb.RouteOpen = field(default_factory=pb.RouteOpen)
 
     # -- open -----------------------------------------------------------------
 
@@ -124,6 +130,11 @@ class HopSession:
             raise errors.RouteError(f"numerics {o.numerics} differ from this node's {cap.numerics}")
         if bool(o.downstream) == (cap.range.end == cap.n_layer):
             raise errors.RouteError("a tail has no downstream hop and every other hop has one")
+        self.route_open = check_open(o, own_node_id=self.ident.node_id, fingerprint=cap.model_fingerprint,
+                                     start=cap.range.start, end=cap.range.end, now=int(time.time()),
+                                     seen_nonces=self.nonces)
+        if o.downstream and o.downstream[0].node_id != self.route_open.next_node_id:
+            raise errors.OpenMismatchError("the next hop is not the one the signed open names")
         own = pb.FlowLimits(
             max_chunk_bytes=self.limits.max_chunk_bytes,
             max_prefill_chunk_tokens=min(self.limits.max_prefill_chunk_tokens, cap.numerics.n_batch),
@@ -133,12 +144,15 @@ class HopSession:
         self.rng = np.random.default_rng(o.sampling.seed)
         self.slot = self.executor.open_slot()
         hops = [cap]
+        acceptances = [accept(self.ident, self.route_open)]
         if o.downstream:
             accepted = await self._open_downstream(o)
             self.negotiated = negotiate(self.negotiated, accepted.limits)
             hops.extend(accepted.hops)
+            acceptances.extend(accepted.acceptances)
         return pb.SessionAccepted(
-            route_session_id=o.route_session_id, route_epoch=o.route_epoch, limits=self.negotiated, hops=hops
+            route_session_id=o.route_session_id, route_epoch=o.route_epoch, limits=self.negotiated, hops=hops,
+            acceptances=acceptances,
         )
 
     async def _open_downstream(self, o: pb.SessionOpen) -> pb.SessionAccepted:
@@ -152,6 +166,8 @@ class HopSession:
         del fwd.downstream[:]
         fwd.downstream.extend(o.downstream[1:])
         fwd.limits.CopyFrom(self.negotiated)
+        fwd.signed_open.CopyFrom(nxt.signed_open)
+        fwd.forwarder_proof.CopyFrom(forward_proof(self.ident, pb.RouteOpen.FromString(nxt.signed_open.payload)))
         frame = pb.SessionFrame(route_session_id=o.route_session_id, route_epoch=o.route_epoch, open=fwd)
         timeout = codec.seconds_left(o.deadline_unix_nanos) or self.limits.step_timeout
         reply = await self.downstream.exchange(frame, timeout)

@@ -18,7 +18,10 @@ import grpc
 import numpy as np
 
 from meshnode import errors
+from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import verify_attestation
+from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_route
+from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.routing.chain import PeerView, check_chain
@@ -89,8 +92,10 @@ async def check_route(peers: Sequence[str], timeout: float = 5.0) -> list[pb.Cap
 class RouteSession:
     """One open route session on the head's Session stream."""
 
-    def __init__(self, peers: Sequence[str], caps: Sequence[pb.Capability], cfg: GenerateConfig) -> None:
+    def __init__(self, peers: Sequence[str], caps: Sequence[pb.Capability], cfg: GenerateConfig,
+                 ident: NodeIdentity | None = None) -> None:
         self.peers, self.caps, self.cfg = list(peers), list(caps), cfg
+        self.ident = ident or load_or_create(state_dir())
         self.id = str(uuid.uuid4())
         self.epoch = 1
         self.step_id = 0
@@ -121,11 +126,15 @@ class RouteSession:
         return reply
 
     async def open(self) -> pb.SessionAccepted:
-        head, rest = self.caps[0], list(zip(self.peers[1:], self.caps[1:], strict=True))
+        head = self.caps[0]
+        plans = [HopPlan(c.node_id, c.attestation.signer_public_key, c.range.start, c.range.end) for c in self.caps]
+        opens = sign_route(self.ident, session_id=self.id, epoch=self.epoch, fingerprint=head.model_fingerprint,
+                           hops=plans, now=int(time.time()))
+        rest = list(zip(self.peers[1:], self.caps[1:], opens[1:], strict=True))
         o = pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=self.id, route_epoch=self.epoch,
-            model_fingerprint=head.model_fingerprint, range=head.range,
-            downstream=[pb.Hop(endpoint=p, range=c.range) for p, c in rest],
+            model_fingerprint=head.model_fingerprint, range=head.range, signed_open=opens[0],
+            downstream=[pb.Hop(endpoint=p, range=c.range, node_id=c.node_id, signed_open=s) for p, c, s in rest],
             limits=head.limits, wire_dtype=self.cfg.wire_dtype,  # type: ignore[arg-type]
             sampling=pb.Sampling(temperature=self.cfg.temperature, seed=self.cfg.seed, top_p=1.0),
             numerics=head.numerics, return_logits=self.cfg.return_logits,
@@ -134,6 +143,7 @@ class RouteSession:
         reply = await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, open=o))
         if not reply.HasField("accepted"):
             raise errors.PeerError("answered the open with something else", hop=self.peers[0])
+        check_acceptances(list(reply.accepted.acceptances), opens, plans)
         self.limits = reply.accepted.limits
         return reply.accepted
 
@@ -178,7 +188,7 @@ class RouteSession:
         await self._channel.close(grace=None)
 
 
-async def generate(peers: Sequence[str], cfg: GenerateConfig) -> GenerationResult:
+async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentity | None = None) -> GenerationResult:
     """Generate across the route ``peers`` (in layer order)."""
     if cfg.max_tokens < 1:
         raise errors.InputError("--max-tokens must be at least 1")
@@ -191,7 +201,7 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig) -> GenerationResul
             f"prompt ({len(prompt)} tokens) + --max-tokens ({cfg.max_tokens}) exceed the session "
             f"context of {caps[0].numerics.n_ctx_per_session} tokens"
         )
-    rs = RouteSession(peers, caps, cfg)
+    rs = RouteSession(peers, caps, cfg, ident)
     try:
         await rs.open()
         return await _run(rs, prompt, cfg, caps)

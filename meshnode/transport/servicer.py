@@ -19,6 +19,7 @@ import grpc
 
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
+from meshnode.identity import NodeIdentity
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.hop import HopLimits, HopSession
@@ -45,8 +46,10 @@ class _Writer:
 
 class NodeServicer(pb_grpc.NodeServicer):
     def __init__(self, executor: RangeExecutor, capability: Callable[[], pb.Capability], limits: HopLimits,
-                 endpoint: str) -> None:
+                 endpoint: str, ident: NodeIdentity) -> None:
         self.executor = executor
+        self.ident = ident
+        self.nonces: dict[bytes, int] = {}
         #: makes a freshly signed capability; renewed well before its attestation expires
         self._make_capability = capability
         self.capability = capability()
@@ -103,7 +106,7 @@ class NodeServicer(pb_grpc.NodeServicer):
     # -- the session stream ---------------------------------------------------------
 
     async def Session(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
-        session = HopSession(self.executor, self.capability, self.limits, self.endpoint)
+        session = HopSession(self.executor, self.capability, self.limits, self.endpoint, self.ident, self.nonces)
         writer = _Writer(context)
         generation: asyncio.Task[None] | None = None
         stop = asyncio.Event()
