@@ -83,7 +83,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     start, end = parse_layers(ns.layers)
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
-                     state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns)
+                     state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
+                     tracker=ns.tracker, heartbeat=ns.heartbeat)
     if not ns.verbose:
         silence_llama_logs()
 
@@ -113,8 +114,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                          wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32)
     if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
         raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
-    if ns.mesh and not ns.mdns:
-        raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR")
+    if ns.mesh and not (ns.mdns or ns.tracker):
+        raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR and/or --tracker URL")
     if ns.peer or ns.mesh:
         async def main() -> object:
             async with trio_asyncio.open_loop():
@@ -122,7 +123,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 if ns.mesh:
                     from meshnode.session.mesh import find_route
 
-                    peers = await find_route(ns.mesh, mdns_interface=ns.mdns, timeout=ns.discover_timeout)
+                    peers = await find_route(ns.mesh, mdns_interface=ns.mdns, tracker=ns.tracker,
+                                             timeout=ns.discover_timeout)
                 return await trio_asyncio.aio_as_trio(generate)(peers, cfg)
 
         result = trio.run(main)
@@ -220,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
     serve.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
     serve.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
+    serve.add_argument("--tracker", metavar="URL", help="register with this tracker (http://HOST:PORT)")
+    serve.add_argument("--heartbeat", type=float, default=10.0, help="seconds between tracker heartbeats")
     _add_exec_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -229,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mesh", metavar="NAME_OR_FINGERPRINT",
                      help="find a route for this model (general.name, or sha256 / a prefix of 8+ digits)")
     gen.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
+    gen.add_argument("--tracker", metavar="URL", help="with --mesh: look the model up on this tracker")
     gen.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
     gen.add_argument("--prompt", required=True, help="raw completion text")
     gen.add_argument("--max-tokens", type=int, default=32)

@@ -134,6 +134,12 @@ class OpenUnauthenticatedError(AttestationError):
     code = "OPEN_UNAUTHENTICATED"
 
 
+class AdvertReplayedError(AttestationError):
+    """A tracker registration that is not newer than one already accepted."""
+
+    code = "ADVERT_REPLAYED"
+
+
 class AttestationMismatchError(AttestationError):
     """Valid signature, but it attests to something other than what is served."""
 

@@ -22,6 +22,7 @@ import trio_asyncio
 from meshnode import __version__, errors
 from meshnode.capabilities import hardware, measure_throughput
 from meshnode.discovery.mdns import PeerTable, run_mdns
+from meshnode.discovery.tracker_client import run_heartbeat
 from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
@@ -57,6 +58,10 @@ class NodeConfig:
     state_dir: Path | None = None
     #: advertise and browse over mDNS on this interface address (None: no mDNS)
     mdns_interface: str | None = None
+    #: register with this tracker (http://HOST:PORT) and heartbeat (None: no tracker)
+    tracker: str | None = None
+    #: seconds between tracker heartbeats
+    heartbeat: float = 10.0
 
 
 LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
@@ -159,6 +164,14 @@ async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = tr
                 advertised = f"{config.mdns_interface}:{port}" if host in ("0.0.0.0", "::") else addr
                 await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
                                                       node_id=ident.node_id, endpoint=advertised))
+            if config.tracker:
+                def health() -> pb.HealthReply:
+                    return pb.HealthReply(serving=servicer.serving, live_sessions=executor.live_slots,
+                                          free_sessions=executor.free_slots, steps_total=executor.steps_total)
+
+                await nursery.start(functools.partial(run_heartbeat, config.tracker, ident,
+                                                      lambda: servicer.capability, health,
+                                                      interval=config.heartbeat))
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
             task_status.started(addr)
     finally:

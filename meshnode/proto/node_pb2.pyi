@@ -567,6 +567,51 @@ class RouteAccept(_message.Message):
 Global___RouteAccept: _TypeAlias = RouteAccept  # noqa: Y015
 
 @_typing.final
+class Advertisement(_message.Message):
+    """What a node registers with a tracker, signed by the node's key, re-sent
+    as its heartbeat. seq strictly increases per node: a replayed
+    registration is refused.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_UNIX_FIELD_NUMBER: _builtins.int
+    HEALTH_FIELD_NUMBER: _builtins.int
+    LEAVING_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """strictly increasing per node (replay protection)"""
+    issued_at_unix: _builtins.int
+    """must be within the tracker's clock skew of now"""
+    leaving: _builtins.bool
+    """the node is leaving: remove it now"""
+    @_builtins.property
+    def capability(self) -> Global___Capability:
+        """with its own signed attestation"""
+
+    @_builtins.property
+    def health(self) -> Global___HealthReply:
+        """load when sent"""
+
+    def __init__(
+        self,
+        *,
+        capability: Global___Capability | None = ...,
+        seq: _builtins.int = ...,
+        issued_at_unix: _builtins.int = ...,
+        health: Global___HealthReply | None = ...,
+        leaving: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "health", b"health"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "health", b"health", "issued_at_unix", b"issued_at_unix", "leaving", b"leaving", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Advertisement: _TypeAlias = Advertisement  # noqa: Y015
+
+@_typing.final
 class CapabilityRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

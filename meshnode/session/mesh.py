@@ -16,7 +16,8 @@ import trio_asyncio
 
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
-from meshnode.discovery.table import PeerEntry
+from meshnode.discovery.table import PeerEntry, Seen
+from meshnode.discovery.tracker_client import lookup
 from meshnode.routing.choose import Candidate, choose_route
 from meshnode.transport.client import health
 
@@ -69,12 +70,25 @@ async def candidates_of(table: PeerTable, query: str, timeout: float) -> list[Pe
     return [p for p in table.live().values() if matches(p, query)]
 
 
-async def find_route(query: str, *, mdns_interface: str, timeout: float = 5.0,
-                     load: dict[str, int] | None = None) -> list[str]:
-    """Endpoints of the fastest route for model ``query``. Needs a trio-asyncio loop."""
+async def _poll_tracker(url: str, query: str, table: PeerTable) -> None:
+    while True:
+        for entry in await lookup(url, query):
+            table.feed(Seen(entry))
+        await trio.sleep(0.5)
+
+
+async def find_route(query: str, *, mdns_interface: str | None = None, tracker: str | None = None,
+                     timeout: float = 5.0, load: dict[str, int] | None = None) -> list[str]:
+    """Endpoints of the fastest route for model ``query``, from mDNS and/or a tracker.
+
+    Needs a trio-asyncio loop.
+    """
     table = PeerTable()
     async with trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(run_mdns, table, interface=mdns_interface))
+        if mdns_interface:
+            await nursery.start(functools.partial(run_mdns, table, interface=mdns_interface))
+        if tracker:
+            nursery.start_soon(_poll_tracker, tracker, query, table)
         peers = await candidates_of(table, query, timeout)
         nursery.cancel_scope.cancel()
     if not peers:

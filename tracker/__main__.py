@@ -1,0 +1,54 @@
+"""``meshnode-tracker``: run the tracker (one documented command).
+
+    meshnode-tracker --listen 127.0.0.1:8700 --db ~/.local/state/meshnode/tracker.sqlite --ttl 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from meshnode.httpmini import serve_http
+from meshnode.paths import state_dir
+from meshnode.transport.server import split_hostport
+from tracker.app import Tracker
+from tracker.registry import Registry
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="meshnode-tracker", description="registry and status page of a meshnode mesh")
+    ap.add_argument("--listen", default="127.0.0.1:8700", help="HOST:PORT (port 0 = any free port)")
+    ap.add_argument("--db", help="SQLite file (default: <state dir>/tracker.sqlite)")
+    ap.add_argument("--ttl", type=float, default=30.0, help="seconds an entry lives without a heartbeat")
+    ns = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, port = split_hostport(ns.listen)
+    db = Path(ns.db) if ns.db else state_dir() / "tracker.sqlite"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    registry = Registry(db, ns.ttl)
+    tracker = Tracker(registry)
+
+    async def run() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                bound = await nursery.start(serve_http, tracker.handle, host, port)
+                print(f"meshnode-tracker: status page http://{host}:{bound}/ listening on {host}:{bound}", flush=True)
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
+
+    try:
+        trio.run(run)
+    finally:
+        registry.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""What the tracker shows: pure functions from registry entries to JSON-able data."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from tracker.registry import Entry
+
+
+def node_view(e: Entry, now: float, ttl: float) -> dict[str, Any]:
+    cap = e.advert.capability
+    hw, tput, h = cap.hardware, cap.throughput, e.advert.health
+    return {
+        "node_id": e.node_id,
+        "endpoints": list(cap.endpoints),
+        "model": cap.model_fingerprint,
+        "model_name": cap.model_name,
+        "range": [cap.range.start, cap.range.end],
+        "role": cap.role,
+        "n_layer": cap.n_layer,
+        "decode_tokens_per_second": round(tput.decode_tokens_per_second, 1),
+        "prefill_tokens_per_second": round(tput.prefill_tokens_per_second, 1),
+        "cpu": hw.cpu_model,
+        "cores": hw.cores,
+        "cpu_features": list(hw.cpu_features),
+        "memory_total_bytes": hw.memory_total_bytes,
+        "devices": [{"name": d.name, "type": d.type, "description": d.description} for d in hw.devices],
+        "live_sessions": h.live_sessions,
+        "free_sessions": h.free_sessions,
+        "steps_total": h.steps_total,
+        "max_sessions": cap.max_sessions,
+        "last_seen_seconds_ago": round(max(0.0, now - e.last_seen), 1),
+        "alive": now - e.last_seen <= ttl,
+        "envelope": base64.b64encode(e.envelope.SerializeToString()).decode(),
+    }
+
+
+def matches(view: dict[str, Any], query: str) -> bool:
+    q = query.strip().lower()
+    return (len(q) >= 8 and str(view["model"]).startswith(q)) or str(view["model_name"]).lower() == q
+
+
+def coverage(nodes: list[dict[str, Any]], n_layer: int) -> list[list[str]]:
+    """For each layer, the node ids serving it."""
+    layers: list[list[str]] = [[] for _ in range(n_layer)]
+    for n in nodes:
+        a, b = n["range"]
+        for i in range(max(0, a), min(b, n_layer)):
+            layers[i].append(n["node_id"])
+    return layers
+
+
+def status(views: list[dict[str, Any]]) -> dict[str, Any]:
+    models: dict[str, dict[str, Any]] = {}
+    for v in views:
+        m = models.setdefault(v["model"], {"fingerprint": v["model"], "name": v["model_name"],
+                                           "n_layer": v["n_layer"], "nodes": []})
+        m["nodes"].append(v["node_id"])
+    for m in models.values():
+        members = [v for v in views if v["model"] == m["fingerprint"]]
+        m["coverage"] = coverage(members, m["n_layer"])
+        m["covered"] = all(m["coverage"])
+        m["active_sessions"] = sum(v["live_sessions"] for v in members)
+    return {"models": sorted(models.values(), key=lambda m: m["name"]), "nodes": views}
