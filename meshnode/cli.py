@@ -52,9 +52,9 @@ def _exec_config(ns: argparse.Namespace) -> ExecConfig:
 
 
 def _add_exec_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=0, help="llama.cpp threads for decode (default: cores/2)")
-    p.add_argument("--threads-batch", type=int, default=0, help="llama.cpp threads for prefill (default: cores)")
-    p.add_argument("--max-sessions", type=int, default=0, help="concurrent sessions (KV sequences), default 4")
+    p.add_argument("--threads", type=int, help="llama.cpp threads for decode (default: cores/2)")
+    p.add_argument("--threads-batch", type=int, help="llama.cpp threads for prefill (default: cores)")
+    p.add_argument("--max-sessions", type=int, help="concurrent sessions (KV sequences), default 4")
 
 
 # -- commands ---------------------------------------------------------------------
@@ -77,27 +77,60 @@ def cmd_model_slice(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _node_settings(ns: argparse.Namespace) -> argparse.Namespace:
+    """Flags, then the --config file, then built-in defaults (meshnode.config)."""
+    from meshnode import config
+
+    file = config.load(Path(ns.config)) if ns.config else {}
+    flags = {k: getattr(ns, k, None) for k in config.KEYS}
+    if flags.get("auto") is False:
+        flags["auto"] = None
+    merged = config.resolve(flags, file)
+    for k, v in merged.items():
+        setattr(ns, k, v)
+    return ns
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.node import NodeConfig, run_node
 
-    start, end = parse_layers(ns.layers)
+    ns = _node_settings(ns)
+    if getattr(ns, "join", False) and ns.auto:
+        if ns.layers:
+            raise errors.InputError("give --layers or --auto, not both")
+        from meshnode.membership import auto_range
+
+        start, end = auto_range(_model(ns), ns.span, tracker=ns.tracker, mdns=ns.mdns)
+        print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range)", file=sys.stderr)
+    elif not ns.layers:
+        raise errors.LayerRangeError("give --layers A:B" + (" or --auto" if getattr(ns, "join", False) else ""))
+    else:
+        start, end = parse_layers(ns.layers)
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
-                     tracker=ns.tracker, heartbeat=ns.heartbeat)
+                     tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout)
     if not ns.verbose:
         silence_llama_logs()
 
     async def main() -> None:
-        # SIGTERM/SIGINT cancel the node's nursery: sessions end, the server
-        # stops with a bounded grace period, the executor frees its context
+        # SIGTERM/SIGINT = leave: the node drains (new sessions refused, live ones get
+        # --drain-timeout seconds), deregisters from mDNS and the tracker, and exits 0;
+        # a second signal stops it at once
+        stop = trio.Event()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                addr = await nursery.start(run_node, cfg)
+
+                async def node(task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+                    await run_node(cfg, stop=stop, task_status=task_status)
+                    nursery.cancel_scope.cancel()  # drained and gone
+
+                addr = await nursery.start(node)
                 print(f"meshnode: serving layers {start}:{end} listening on {addr}", flush=True)
                 async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    break
+                    if stop.is_set():
+                        nursery.cancel_scope.cancel()
+                    stop.set()
 
     trio.run(main)
     return 0
@@ -191,6 +224,39 @@ def cmd_peers(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _state(ns: argparse.Namespace) -> Path:
+    from meshnode.paths import state_dir
+
+    return Path(ns.state_dir) if ns.state_dir else state_dir()
+
+
+def cmd_leave(ns: argparse.Namespace) -> int:
+    from meshnode.membership import leave
+
+    doc = leave(_state(ns), ns.timeout)
+    print(f"meshnode: node {doc.get('node_id')} (layers {doc.get('layers')}) has left")
+    return 0
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from meshnode.membership import status
+
+    doc = status(_state(ns))
+    if ns.json:
+        print(json.dumps(doc))
+        return 0
+    n = doc["node"]
+    print(f"node {n['node_id']}  {n['endpoint']}  layers {n['range'][0]}:{n['range'][1]} ({n['role']})  "
+          f"{'serving' if n['serving'] else 'draining'}  sessions {n['live_sessions']} live / "
+          f"{n['free_sessions']} free")
+    print(f"{'peer':<36} {'endpoint':<22} {'layers':<8} {'role':<7} {'alive':<6} sessions  tok/s")
+    for p in doc["peers"]:
+        print(f"{p['node_id']:<36} {(p['endpoints'] or ['-'])[0]:<22} {p['range'][0]}:{p['range'][1]:<5} "
+              f"{p['role']:<7} {'yes' if p['alive'] else 'no':<6} {p['live_sessions']}/{p['free_sessions']:<7} "
+              f"{p['decode_tokens_per_second']}")
+    return 0
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     from meshnode.demo import run_demo
 
@@ -216,16 +282,32 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--layers", required=True, help="A:B, layers A..B-1")
     sl.set_defaults(func=cmd_model_slice)
 
-    serve = sub.add_parser("serve", help="serve one layer range")
-    serve.add_argument("--model", help="source GGUF file (default: the default model)")
-    serve.add_argument("--layers", required=True, help="A:B, layers A..B-1")
-    serve.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
-    serve.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
-    serve.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
-    serve.add_argument("--tracker", metavar="URL", help="register with this tracker (http://HOST:PORT)")
-    serve.add_argument("--heartbeat", type=float, default=10.0, help="seconds between tracker heartbeats")
-    _add_exec_flags(serve)
-    serve.set_defaults(func=cmd_serve)
+    for name, text in (("serve", "serve one layer range"),
+                       ("join", "start a node and announce it to the mesh (--tracker / --mdns), or --auto")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", metavar="FILE", help="TOML file with these settings (docs/operations.md)")
+        p.add_argument("--model", help="source GGUF file (default: the default model)")
+        p.add_argument("--layers", help="A:B, layers A..B-1")
+        p.add_argument("--listen", help="HOST:PORT (port 0 = any free port; default 127.0.0.1:0)")
+        p.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
+        p.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
+        p.add_argument("--tracker", metavar="URL", help="register with this tracker (http://HOST:PORT)")
+        p.add_argument("--heartbeat", type=float, help="seconds between tracker heartbeats (default 10)")
+        p.add_argument("--drain-timeout", type=float, help="seconds live sessions get when leaving (default 30)")
+        if name == "join":
+            p.add_argument("--auto", action="store_true", help="take the range whose coverage is weakest")
+            p.add_argument("--span", type=int, help="with --auto: layers to take (default: half the model)")
+        _add_exec_flags(p)
+        p.set_defaults(func=cmd_serve, join=name == "join")
+
+    lv = sub.add_parser("leave", help="drain the local node and take it out of the mesh (exit 0 once gone)")
+    lv.add_argument("--state-dir", help="the node's state dir (default: ~/.local/state/meshnode)")
+    lv.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to be gone")
+    lv.set_defaults(func=cmd_leave)
+    st = sub.add_parser("status", help="the local node's view of the mesh")
+    st.add_argument("--state-dir", help="the node's state dir (default: ~/.local/state/meshnode)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
 
     gen = sub.add_parser("generate", help="generate text across a route, or with the whole model here")
     gen.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")

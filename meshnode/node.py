@@ -7,7 +7,9 @@ through ``task_status.started`` once the node really serves.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +33,7 @@ from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import attest
 from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
+from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
 from meshnode.session.hop import HopLimits
 from meshnode.transport.server import serve_grpc, split_hostport
 from meshnode.transport.servicer import NodeServicer
@@ -62,6 +65,8 @@ class NodeConfig:
     tracker: str | None = None
     #: seconds between tracker heartbeats
     heartbeat: float = 10.0
+    #: seconds live sessions get to finish when the node leaves
+    drain_timeout: float = 30.0
 
 
 LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
@@ -140,8 +145,18 @@ def _child_error(stderr: str) -> errors.MeshnodeError:
     return errors.ModelError(f"cutting the range failed: {stderr.strip()[-400:]}")
 
 
-async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    ident = await trio.to_thread.run_sync(load_or_create, config.state_dir or state_dir())
+async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
+                   task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until ``stop`` is set (then drain and leave) or until cancelled.
+
+    Draining: new sessions are refused, live ones get ``drain_timeout``
+    seconds to finish, then mDNS and the tracker are told the node leaves
+    (in the shielded cleanup of their tasks) and the server stops.
+    """
+    sdir = config.state_dir or state_dir()
+    ident = await trio.to_thread.run_sync(load_or_create, sdir)
+    runtime = RuntimeFile(sdir)
+    runtime.claim()
     artifact = await trio.to_thread.run_sync(prepare_verified, config)
     executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
     try:
@@ -159,20 +174,79 @@ async def run_node(config: NodeConfig, *, task_status: trio.TaskStatus[str] = tr
             servicer.endpoint = addr
             endpoints.append(addr)
             servicer.capability = cap()
-            if config.mdns_interface:
-                host, port = split_hostport(addr)
-                advertised = f"{config.mdns_interface}:{port}" if host in ("0.0.0.0", "::") else addr
-                await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
-                                                      node_id=ident.node_id, endpoint=advertised))
-            if config.tracker:
-                def health() -> pb.HealthReply:
-                    return pb.HealthReply(serving=servicer.serving, live_sessions=executor.live_slots,
-                                          free_sessions=executor.free_slots, steps_total=executor.steps_total)
-
-                await nursery.start(functools.partial(run_heartbeat, config.tracker, ident,
-                                                      lambda: servicer.capability, health,
-                                                      interval=config.heartbeat))
+            await _announce(nursery, config, ident, servicer, executor, addr)
+            runtime.write(node_id=ident.node_id, endpoint=addr, layers=f"{artifact.start}:{artifact.end}",
+                          tracker=config.tracker, mdns=config.mdns_interface)
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
+            notify("READY=1")
+            interval = watchdog_interval()
+            if interval:
+                nursery.start_soon(run_watchdog, interval)
             task_status.started(addr)
+            await (stop if stop is not None else trio.Event()).wait()
+            await _drain(servicer, executor, config.drain_timeout)
+            nursery.cancel_scope.cancel()
     finally:
+        runtime.remove()
         executor.close()
+
+
+async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdentity, servicer: NodeServicer,
+                    executor: RangeExecutor, addr: str) -> None:
+    """Start mDNS advertising and tracker heartbeats, as configured."""
+    if config.mdns_interface:
+        host, port = split_hostport(addr)
+        advertised = f"{config.mdns_interface}:{port}" if host in ("0.0.0.0", "::") else addr
+        await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
+                                              node_id=ident.node_id, endpoint=advertised))
+    if config.tracker:
+        def health() -> pb.HealthReply:
+            return pb.HealthReply(serving=servicer.serving, live_sessions=executor.live_slots,
+                                  free_sessions=executor.free_slots, steps_total=executor.steps_total)
+
+        await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: servicer.capability,
+                                              health, interval=config.heartbeat))
+
+
+async def _drain(servicer: NodeServicer, executor: RangeExecutor, timeout: float) -> None:
+    """Refuse new sessions; give live ones ``timeout`` seconds to finish."""
+    notify("STOPPING=1")
+    servicer.serving = False
+    log.info("draining: %d live sessions, up to %.0fs", executor.live_slots, timeout)
+    with trio.move_on_after(timeout):
+        # slots are freed by asyncio-side session code; a bounded 100 ms poll is simpler
+        # than a cross-library wake-up, and only runs while leaving
+        while executor.live_slots:  # noqa: ASYNC110
+            await trio.sleep(0.1)
+
+
+class RuntimeFile:
+    """``<state dir>/node.json`` while a node runs: its pid and endpoint, for ``leave`` and ``status``."""
+
+    def __init__(self, sdir: Path) -> None:
+        self.path = sdir / "node.json"
+
+    def read(self) -> dict[str, object] | None:
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        pid = int(doc.get("pid", 0))
+        if pid <= 0 or not Path(f"/proc/{pid}").exists():
+            return None
+        return dict(doc)
+
+    def claim(self) -> None:
+        other = self.read()
+        if other is not None and other.get("pid") != os.getpid():
+            raise errors.InputError(f"a node (pid {other['pid']}) already runs with state dir {self.path.parent}")
+
+    def write(self, **info: object) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
+        tmp.replace(self.path)
+
+    def remove(self) -> None:
+        doc = self.read()
+        if doc is not None and doc.get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
