@@ -33,6 +33,10 @@ class NodeProcess:
     #: the node's state directory, if it is a temporary one of its own
     state: tempfile.TemporaryDirectory[str] | None = None
 
+    @property
+    def state_dir(self) -> Path | None:
+        return Path(self.state.name) if self.state is not None else None
+
     def stderr(self) -> str:
         self.log.seek(0)
         return self.log.read()
@@ -52,16 +56,16 @@ class NodeProcess:
             self.state.cleanup()
 
 
-def start_node(model: Path, layers: str, *, extra: Sequence[str] = (), timeout: float = 120.0,
-               state_dir: Path | None = None) -> NodeProcess:
+def start_node(model: Path, layers: str | None, *, extra: Sequence[str] = (), timeout: float = 120.0,
+               state_dir: Path | None = None, command: str = "serve") -> NodeProcess:
     """A ``meshnode serve`` child on 127.0.0.1, port 0; each gets its own identity
     (a fresh temporary state directory) unless ``state_dir`` is given."""
     own_state = None
     if state_dir is None:
         own_state = tempfile.TemporaryDirectory(prefix="meshnode-state-")
         state_dir = Path(own_state.name)
-    cmd = [sys.executable, "-m", "meshnode", "serve", "--model", str(model), "--layers", layers,
-           "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *extra]
+    cmd = [sys.executable, "-m", "meshnode", command, "--model", str(model),
+           *(["--layers", layers] if layers else []), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *extra]
     log = tempfile.TemporaryFile(mode="w+")  # owned (and closed) by NodeProcess
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
@@ -72,7 +76,7 @@ def start_node(model: Path, layers: str, *, extra: Sequence[str] = (), timeout: 
             break
         m = LISTENING.search(line)
         if m:
-            return NodeProcess(proc, m.group(1), layers, log, own_state)
+            return NodeProcess(proc, m.group(1), layers or _layers_of(line), log, own_state)
     proc.kill()
     proc.wait()
     log.seek(0)
@@ -81,6 +85,11 @@ def start_node(model: Path, layers: str, *, extra: Sequence[str] = (), timeout: 
     if own_state is not None:
         own_state.cleanup()
     raise PeerError(f"node for layers {layers} did not start: {err.strip()[-600:]}")
+
+
+def _layers_of(line: str) -> str:
+    m = re.search(r"serving layers (\d+:\d+)", line)
+    return m.group(1) if m else "?"
 
 
 @contextlib.contextmanager

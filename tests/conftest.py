@@ -90,8 +90,9 @@ def route3(model: Path) -> Iterator[list[NodeProcess]]:
 def node_factory(model: Path) -> Iterator[Callable[..., NodeProcess]]:
     started: list[NodeProcess] = []
 
-    def make(layers: str, *, source: Path | None = None, extra: tuple[str, ...] = ()) -> NodeProcess:
-        n = start_node(source or model, layers, extra=extra)
+    def make(layers: str | None, *, source: Path | None = None, extra: tuple[str, ...] = (),
+             command: str = "serve") -> NodeProcess:
+        n = start_node(source or model, layers, extra=extra, command=command)
         started.append(n)
         return n
 
