@@ -22,6 +22,20 @@ def test_peer_table_is_changed_only_by_pure_functions():
     assert apply(t1, Gone("other"), now=101.0) == t1
 
 
+async def test_a_peer_that_dies_without_goodbye_is_dropped(node_factory):
+    node = await trio.to_thread.run_sync(lambda: node_factory("0:15", extra=("--mdns", "127.0.0.1")))
+    table = PeerTable(ttl=3.0)
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(run_mdns, table, interface="127.0.0.1"))
+        with trio.fail_after(30):
+            await _wait_for(table, lambda peers: any(p.endpoint == node.endpoint for p in peers.values()))
+        node.proc.kill()  # SIGKILL: no mDNS goodbye
+        await trio.to_thread.run_sync(node.proc.wait)
+        with trio.fail_after(30):
+            await _wait_for(table, lambda peers: all(p.endpoint != node.endpoint for p in peers.values()))
+        nursery.cancel_scope.cancel()
+
+
 async def _wait_for(table: PeerTable, pred) -> None:
     while not pred(table.live()):
         await table.changed.wait()

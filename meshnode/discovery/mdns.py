@@ -30,7 +30,7 @@ from zeroconf import ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 from meshnode import errors
 from meshnode.discovery.table import Event, Gone, PeerEntry, Seen, apply, expire
 from meshnode.session.initiator import check_attested
-from meshnode.transport.client import get_capability
+from meshnode.transport.client import get_capability, health
 
 log = logging.getLogger("meshnode.discovery")
 
@@ -119,6 +119,25 @@ async def _learn(zc: Zeroconf, name: str, table: PeerTable, self_id: str) -> Non
     table.feed(Seen(PeerEntry(node_id, endpoint, cap, "mdns", time.time())))
 
 
+async def _keep_alive(table: PeerTable) -> None:
+    """Liveness: re-probe every known mDNS peer each ttl/3; one that stops answering is dropped.
+
+    mDNS removal notices are best effort (a crashed node sends no goodbye), so
+    the table does not rely on them alone.
+    """
+    while True:
+        await trio.sleep(table.ttl / 3)
+        for entry in list(table.peers.values()):
+            if entry.source != "mdns":
+                continue
+            try:
+                await trio_asyncio.aio_as_trio(health)(entry.endpoint, 3.0)
+            except errors.MeshnodeError:
+                table.feed(Gone(entry.node_id))
+                continue
+            table.feed(Seen(entry))
+
+
 async def run_mdns(table: PeerTable, *, interface: str, node_id: str = "", endpoint: str | None = None,
                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Advertise (if ``endpoint``) and browse until cancelled. Needs a trio-asyncio loop.
@@ -145,6 +164,7 @@ async def run_mdns(table: PeerTable, *, interface: str, node_id: str = "", endpo
         browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=handlers)
         task_status.started()
         async with trio.open_nursery() as nursery, recv:
+            nursery.start_soon(_keep_alive, table)
             async for name, change in recv:
                 if change in (ServiceStateChange.Added, ServiceStateChange.Updated):
                     nursery.start_soon(_learn, zc, name, table, node_id)
