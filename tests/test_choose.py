@@ -61,6 +61,11 @@ def test_full_nodes_and_avoided_nodes_are_skipped():
         choose_route(cands, 30, avoid=frozenset({"ok"}))
 
 
+def test_a_busy_replica_is_avoided():
+    cands = [c("a", 0, 15), Candidate("busy", "busy:1", 15, 30, 100.0, 0.001, 1, live_sessions=3), c("idle", 15, 30)]
+    assert ids(choose_route(cands, 30)) == ["a", "idle"]
+
+
 def test_load_spreads_sessions_across_replicas():
     cands = [c("a", 0, 15), c("r1", 15, 30), c("r2", 15, 30)]
     load: dict[str, int] = {}

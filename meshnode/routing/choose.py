@@ -4,8 +4,8 @@ Each candidate serves one fixed range [start, end). A route is a chain of
 candidates whose ranges tile [0, n_layer) exactly. Its estimated time per
 token is the sum over hops of the hop's advertised compute time for one
 token (1 / decode throughput), its measured round-trip time, and a load
-penalty that grows with the sessions already placed on it (so concurrent
-sessions spread across replicas). Candidates without a free session slot
+penalty that grows with the sessions it reports live and those this chooser
+already placed on it (so concurrent sessions spread across replicas). Candidates without a free session slot
 are skipped. Shortest path over layer boundaries (Dijkstra); ties break on
 the node ids, so the choice is deterministic.
 """
@@ -31,6 +31,8 @@ class Candidate:
     rtt: float
     #: free session slots it reports
     free_sessions: int
+    #: sessions it reports live now (other initiators' load)
+    live_sessions: int = 0
 
 
 #: seconds added per session already placed on a node by this chooser
@@ -41,7 +43,7 @@ UNKNOWN_COMPUTE = 0.050
 
 def hop_cost(c: Candidate, load: int) -> float:
     compute = 1.0 / c.decode_tps if c.decode_tps > 0 else UNKNOWN_COMPUTE
-    return compute + c.rtt + LOAD_PENALTY * load
+    return compute + c.rtt + LOAD_PENALTY * (load + c.live_sessions)
 
 
 def choose_route(candidates: Sequence[Candidate], n_layer: int, *, load: Mapping[str, int] | None = None,

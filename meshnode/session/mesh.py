@@ -55,7 +55,8 @@ async def _measure(entry: PeerEntry) -> Candidate | None:
     rtt = time.perf_counter() - t0
     cap = entry.capability
     return Candidate(entry.node_id, entry.endpoint, cap.range.start, cap.range.end,
-                     cap.throughput.decode_tokens_per_second, rtt, h.free_sessions if h.serving else 0)
+                     cap.throughput.decode_tokens_per_second, rtt, h.free_sessions if h.serving else 0,
+                     h.live_sessions)
 
 
 async def candidates_of(table: PeerTable, query: str, timeout: float) -> list[PeerEntry]:
