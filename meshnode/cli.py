@@ -109,7 +109,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         start, end = parse_layers(ns.layers)
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
-                     tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout)
+                     tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
+                     metrics=ns.metrics)
     if not ns.verbose:
         silence_llama_logs()
 
@@ -294,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tracker", metavar="URL", help="register with this tracker (http://HOST:PORT)")
         p.add_argument("--heartbeat", type=float, help="seconds between tracker heartbeats (default 10)")
         p.add_argument("--drain-timeout", type=float, help="seconds live sessions get when leaving (default 30)")
+        p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics")
         if name == "join":
             p.add_argument("--auto", action="store_true", help="take the range whose coverage is weakest")
             p.add_argument("--span", type=int, help="with --auto: layers to take (default: half the model)")

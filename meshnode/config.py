@@ -12,6 +12,7 @@
     max_sessions = 4
     threads = 1
     threads_batch = 2
+    metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
 
 A flag given on the command line wins over the file; the file wins over the
 built-in default. Unknown keys are an error (a typo must not pass silently).
@@ -40,6 +41,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "max_sessions": (int, 0),
     "threads": (int, 0),
     "threads_batch": (int, 0),
+    "metrics": (str, None),
 }
 
 

@@ -29,8 +29,10 @@ from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
 from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
+from meshnode.httpmini import Handler, Request, Response, serve_http
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import attest
+from meshnode.metrics import NodeMetrics
 from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
@@ -67,6 +69,8 @@ class NodeConfig:
     heartbeat: float = 10.0
     #: seconds live sessions get to finish when the node leaves
     drain_timeout: float = 30.0
+    #: HOST:PORT for Prometheus metrics at /metrics (None: off)
+    metrics: str | None = None
 
 
 LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
@@ -174,9 +178,15 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             servicer.endpoint = addr
             endpoints.append(addr)
             servicer.capability = cap()
+            metrics_url = None
+            if config.metrics:
+                mhost, mport = split_hostport(config.metrics)
+                bound = await nursery.start(serve_http, _metrics_handler(servicer.metrics), mhost, mport)
+                metrics_url = f"http://{mhost}:{bound}/metrics"
+                log.info("metrics on %s", metrics_url)
             await _announce(nursery, config, ident, servicer, executor, addr)
             runtime.write(node_id=ident.node_id, endpoint=addr, layers=f"{artifact.start}:{artifact.end}",
-                          tracker=config.tracker, mdns=config.mdns_interface)
+                          tracker=config.tracker, mdns=config.mdns_interface, metrics=metrics_url)
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
             notify("READY=1")
             interval = watchdog_interval()
@@ -206,6 +216,15 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
 
         await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: servicer.capability,
                                               health, interval=config.heartbeat))
+
+
+def _metrics_handler(metrics: NodeMetrics) -> Handler:
+    async def handle(req: Request) -> Response:
+        if req.method == "GET" and req.path == "/metrics":
+            return Response(200, metrics.render().encode(), "text/plain; version=0.0.4")
+        return Response.json({"error": "NOT_FOUND"}, 404)
+
+    return handle
 
 
 async def _drain(servicer: NodeServicer, executor: RangeExecutor, timeout: float) -> None:

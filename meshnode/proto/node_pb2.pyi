@@ -1397,6 +1397,7 @@ class HopTiming(_message.Message):
     COMPUTE_NANOS_FIELD_NUMBER: _builtins.int
     BYTES_IN_FIELD_NUMBER: _builtins.int
     HANDLE_NANOS_FIELD_NUMBER: _builtins.int
+    N_TOKENS_FIELD_NUMBER: _builtins.int
     endpoint: _builtins.str
     """the hop"""
     compute_nanos: _builtins.int
@@ -1405,6 +1406,8 @@ class HopTiming(_message.Message):
     """wire bytes received for this step"""
     handle_nanos: _builtins.int
     """time from receiving the step to having its result (includes downstream)"""
+    n_tokens: _builtins.int
+    """token positions the step carried"""
     def __init__(
         self,
         *,
@@ -1412,10 +1415,11 @@ class HopTiming(_message.Message):
         compute_nanos: _builtins.int = ...,
         bytes_in: _builtins.int = ...,
         handle_nanos: _builtins.int = ...,
+        n_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "compute_nanos", b"compute_nanos", "endpoint", b"endpoint", "handle_nanos", b"handle_nanos"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "compute_nanos", b"compute_nanos", "endpoint", b"endpoint", "handle_nanos", b"handle_nanos", "n_tokens", b"n_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -225,7 +225,7 @@ class HopSession:
             raise errors.ShapeError(f"step carries {n} tokens; the negotiated maximum is "
                                     f"{self.negotiated.max_prefill_chunk_tokens}")
         timed = await ex.forward(self.slot, n_past, tokens=tokens, embd=embd)
-        timing = pb.HopTiming(endpoint=self.endpoint, compute_nanos=timed.compute_nanos,
+        timing = pb.HopTiming(endpoint=self.endpoint, compute_nanos=timed.compute_nanos, n_tokens=n,
                               bytes_in=s.activation.total_bytes if embd is not None else 4 * n)
         out = timed.output
         if out.residual is not None:

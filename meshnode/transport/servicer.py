@@ -20,6 +20,7 @@ import grpc
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
 from meshnode.identity import NodeIdentity
+from meshnode.metrics import NodeMetrics
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.hop import HopLimits, HopSession
@@ -29,13 +30,23 @@ log = logging.getLogger("meshnode.node")
 
 
 class _Writer:
-    """Serialises writes on one stream: a running Generate and the read loop both answer."""
+    """Serialises writes on one stream (a running Generate and the read loop both answer),
+    and counts what is written into the node's metrics."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, metrics: NodeMetrics) -> None:
         self._context = context
         self._lock = asyncio.Lock()
+        self._metrics = metrics
 
     async def write(self, reply: pb.SessionReply) -> None:
+        m = self._metrics
+        m.bytes_out.inc(reply.ByteSize())
+        if reply.HasField("error"):
+            m.errors.inc(code=pb.ErrorCode.Name(reply.error.code))
+        elif reply.HasField("result") and not reply.result.duplicate and reply.result.timings:
+            mine = reply.result.timings[0]
+            m.tokens.inc(mine.n_tokens, kind="decode" if mine.n_tokens == 1 else "prefill")
+            m.steps.observe(mine.handle_nanos / 1e9)
         async with self._lock:
             await self._context.write(reply)
 
@@ -49,6 +60,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                  endpoint: str, ident: NodeIdentity) -> None:
         self.executor = executor
         self.ident = ident
+        self.metrics = NodeMetrics()
         self.nonces: dict[bytes, int] = {}
         #: makes a freshly signed capability; renewed well before its attestation expires
         self._make_capability = capability
@@ -107,7 +119,7 @@ class NodeServicer(pb_grpc.NodeServicer):
 
     async def Session(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
         session = HopSession(self.executor, self.capability, self.limits, self.endpoint, self.ident, self.nonces)
-        writer = _Writer(context)
+        writer = _Writer(context, self.metrics)
         generation: asyncio.Task[None] | None = None
         stop = asyncio.Event()
         try:
@@ -120,6 +132,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                 frame = await context.read()
                 if frame is grpc.aio.EOF:
                     return
+                self.metrics.bytes_in.inc(frame.ByteSize())
                 if generation is not None and not generation.done():
                     if frame.WhichOneof("body") not in ("cancel", "release"):
                         await writer.error(session, errors.SessionError("a Generate is running on this session"))
@@ -144,6 +157,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             if self.sessions.get(session.session_id) is session:
                 del self.sessions[session.session_id]
             await session.close()
+            self.metrics.sessions_open.set(self.executor.live_slots)
 
     async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer,
                         stop: asyncio.Event) -> None:
@@ -174,6 +188,8 @@ class NodeServicer(pb_grpc.NodeServicer):
                 e, hop=self.endpoint, terminal=True)))
             return False
         self.sessions[sid] = session
+        self.metrics.sessions.inc()
+        self.metrics.sessions_open.set(self.executor.live_slots)
         await context.write(pb.SessionReply(route_session_id=sid, accepted=accepted))
         return True
 
