@@ -77,6 +77,8 @@ class Downstream:
             raise errors.DeadlineError(f"no answer within {timeout:.1f}s", hop=self.endpoint) from None
         except grpc.aio.AioRpcError as e:
             raise errors.PeerError(f"stream failed: {e.code().name} {e.details()}", hop=self.endpoint) from e
+        except asyncio.InvalidStateError as e:  # grpc: the call ended (the peer died) before this write
+            raise errors.PeerError("the session stream ended (peer gone)", hop=self.endpoint) from e
         if reply is grpc.aio.EOF:
             raise errors.PeerError("closed the session stream", hop=self.endpoint)
         assert isinstance(reply, pb.SessionReply)

@@ -109,6 +109,8 @@ class RouteSession:
             await self._call.write(frame)
         except grpc.aio.AioRpcError as e:
             raise translate(e, self.peers[0], "Session") from e
+        except asyncio.InvalidStateError as e:  # grpc: the call already ended (the head died)
+            raise errors.PeerError("the session stream ended (peer gone)", hop=self.peers[0]) from e
         return await self._read()
 
     async def _read(self) -> pb.SessionReply:
@@ -166,6 +168,8 @@ class RouteSession:
             await self._call.write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, generate=g))
         except grpc.aio.AioRpcError as e:
             raise translate(e, self.peers[0], "Session") from e
+        except asyncio.InvalidStateError as e:
+            raise errors.PeerError("the session stream ended (peer gone)", hop=self.peers[0]) from e
         while True:
             reply = await self._read()
             if not reply.HasField("result") or reply.result.step_id != self.step_id + 1:
