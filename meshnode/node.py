@@ -23,7 +23,6 @@ import trio_asyncio
 
 from meshnode import __version__, errors
 from meshnode.capabilities import hardware, measure_throughput
-from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.tracker_client import run_heartbeat
 from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
@@ -205,6 +204,8 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
                     executor: RangeExecutor, addr: str) -> None:
     """Start mDNS advertising and tracker heartbeats, as configured."""
     if config.mdns_interface:
+        from meshnode.discovery.mdns import PeerTable, run_mdns  # zeroconf costs RSS: only when used
+
         host, port = split_hostport(addr)
         advertised = f"{config.mdns_interface}:{port}" if host in ("0.0.0.0", "::") else addr
         await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
