@@ -138,3 +138,11 @@ def open_frame(sid: str, cap: Any, ident: Any = None, *, epoch: int = 1, now: in
         schema_version=SCHEMA_VERSION, route_session_id=sid, route_epoch=epoch,
         model_fingerprint=cap.model_fingerprint, range=cap.range, numerics=cap.numerics, limits=cap.limits,
         signed_open=signed))
+
+
+def cli(*args: str, timeout: float = 300) -> Any:
+    """Run ``meshnode ARGS`` as a user would: a separate process; returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "meshnode", *args], capture_output=True, text=True, timeout=timeout)

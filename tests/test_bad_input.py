@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
-import subprocess
-import sys
 import uuid
 from concurrent import futures
 
@@ -22,12 +20,7 @@ from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, check_route, generate
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import encode_bundle
-from tests.conftest import PROMPT, aio, open_frame
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshnode", *args], capture_output=True, text=True, timeout=300)
-
+from tests.conftest import PROMPT, aio, cli, open_frame
 
 # -- flags and files ---------------------------------------------------------------
 
@@ -38,27 +31,27 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
      ("a:b", "LAYER_RANGE_INVALID"), ("12", "LAYER_RANGE_INVALID")],
 )
 def test_serve_refuses_bad_layers(model, layers, code):
-    proc = _cli("serve", "--model", str(model), "--layers", layers)
+    proc = cli("serve", "--model", str(model), "--layers", layers)
     assert proc.returncode == 2
     assert f"meshnode: error: {code}" in proc.stderr
     assert "listening on" not in proc.stdout
 
 
 def test_serve_refuses_bad_listen(model):
-    proc = _cli("serve", "--model", str(model), "--layers", "0:15", "--listen", "nohost")
+    proc = cli("serve", "--model", str(model), "--layers", "0:15", "--listen", "nohost")
     assert proc.returncode == 2
     assert "is not HOST:PORT" in proc.stderr
 
 
 def test_serve_refuses_missing_truncated_and_non_gguf_files(model, tmp_path):
     missing = tmp_path / "nope.gguf"
-    proc = _cli("serve", "--model", str(missing), "--layers", "0:15")
+    proc = cli("serve", "--model", str(missing), "--layers", "0:15")
     assert proc.returncode == 1
     assert "MODEL_NOT_FOUND" in proc.stderr
 
     text = tmp_path / "notes.gguf"
     text.write_text("this is not a model\n" * 10)
-    proc = _cli("serve", "--model", str(text), "--layers", "0:15")
+    proc = cli("serve", "--model", str(text), "--layers", "0:15")
     assert proc.returncode == 1
     assert "MODEL_FORMAT" in proc.stderr
     assert "not a GGUF" in proc.stderr
@@ -66,16 +59,16 @@ def test_serve_refuses_missing_truncated_and_non_gguf_files(model, tmp_path):
     truncated = tmp_path / "truncated.gguf"
     with model.open("rb") as src, truncated.open("wb") as dst:
         dst.write(src.read(model.stat().st_size // 2))
-    proc = _cli("serve", "--model", str(truncated), "--layers", "0:15")
+    proc = cli("serve", "--model", str(truncated), "--layers", "0:15")
     assert proc.returncode == 1
     assert "truncated" in proc.stderr
 
 
 def test_generate_refuses_bad_flags(model):
-    proc = _cli("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "0")
+    proc = cli("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "0")
     assert proc.returncode == 2
     assert "--max-tokens" in proc.stderr
-    proc = _cli("generate", "--peer", "127.0.0.1:1", "--model", str(model), "--prompt", "hi")
+    proc = cli("generate", "--peer", "127.0.0.1:1", "--model", str(model), "--prompt", "hi")
     assert proc.returncode == 2
 
 
@@ -84,10 +77,10 @@ def test_generate_refuses_bad_flags(model):
 
 def test_generate_refuses_peers_out_of_layer_order(route2):
     head, tail = (n.endpoint for n in route2)
-    proc = _cli("generate", "--peer", tail, "--peer", head, "--prompt", PROMPT)
+    proc = cli("generate", "--peer", tail, "--peer", head, "--prompt", PROMPT)
     assert proc.returncode == 2
     assert "ROUTE_INVALID" in proc.stderr
-    proc = _cli("generate", "--peer", head, "--prompt", PROMPT)
+    proc = cli("generate", "--peer", head, "--prompt", PROMPT)
     assert proc.returncode == 2
     assert "layers 15-29 are not served" in proc.stderr
 
@@ -97,7 +90,7 @@ def test_a_grpc_server_that_is_not_a_meshnode(route2):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        proc = _cli("generate", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint, "--prompt", PROMPT)
+        proc = cli("generate", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint, "--prompt", PROMPT)
         assert proc.returncode == 1
         assert "NOT_A_MESHNODE" in proc.stderr
         assert f"127.0.0.1:{port}" in proc.stderr
@@ -110,7 +103,7 @@ def test_a_tcp_server_that_is_not_grpc(route2):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = _cli("generate", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint, "--prompt", PROMPT)
+        proc = cli("generate", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint, "--prompt", PROMPT)
     assert proc.returncode == 1
     assert "PEER_UNAVAILABLE" in proc.stderr or "DEADLINE_EXCEEDED" in proc.stderr
 

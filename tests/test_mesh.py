@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,13 +20,8 @@ import trio_asyncio
 
 from meshnode.gguf.model import fingerprint
 from meshnode.session.mesh import find_route
-from tests.conftest import PROMPT
+from tests.conftest import PROMPT, cli
 from tests.test_tracker import _start_tracker, _stop
-
-
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshnode", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def _status(url: str) -> dict:
@@ -69,7 +62,7 @@ async def test_the_mesh_assembles_itself(tmp_path, model, reference, node_factor
     nodes = [await trio.to_thread.run_sync(join, ly) for ly in ("0:15", "15:30", "15:30", "0:15")]
     await trio.to_thread.run_sync(_wait_nodes, url, 4)
 
-    proc = await trio.to_thread.run_sync(lambda: _cli("generate", "--mesh", fp[:16], "--tracker", url,
+    proc = await trio.to_thread.run_sync(lambda: cli("generate", "--mesh", fp[:16], "--tracker", url,
                                                       "--prompt", PROMPT, "--max-tokens", "32", "--json"))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -89,13 +82,13 @@ async def test_the_mesh_assembles_itself(tmp_path, model, reference, node_factor
 
     # one node leaves; new routes avoid it
     leaving = nodes[3]
-    proc = await trio.to_thread.run_sync(lambda: _cli("leave", "--state-dir", str(leaving.state_dir)))
+    proc = await trio.to_thread.run_sync(lambda: cli("leave", "--state-dir", str(leaving.state_dir)))
     assert proc.returncode == 0, proc.stderr
     assert leaving.proc.wait(30) == 0
     status = await trio.to_thread.run_sync(_wait_nodes, url, 3)
     assert leaving.endpoint not in {n["endpoints"][0] for n in status["nodes"]}
     for _ in range(3):
-        proc = await trio.to_thread.run_sync(lambda: _cli("generate", "--mesh", fp[:16], "--tracker", url,
+        proc = await trio.to_thread.run_sync(lambda: cli("generate", "--mesh", fp[:16], "--tracker", url,
                                                           "--prompt", PROMPT, "--max-tokens", "8", "--json"))
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)

@@ -8,8 +8,6 @@ context settings), and the tail's logits equal the whole model's bit for bit.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ import trio_asyncio
 
 from meshnode.proto import node_pb2 as pb
 from meshnode.session.initiator import GenerateConfig, generate
-from tests.conftest import PROMPT, aio
+from tests.conftest import PROMPT, aio, cli
 
 
 @pytest.mark.parametrize("route_name", ["route2", "route3"])
@@ -48,13 +46,9 @@ async def test_f16_wire_is_not_promised_bit_exact_but_runs(route2, reference):
     assert diff > 0.0
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshnode", *args], capture_output=True, text=True, timeout=300)
-
-
 def test_cli_generate_across_peers_prints_json(route2, reference):
     peers = [a for n in route2 for a in ("--peer", n.endpoint)]
-    proc = _cli("generate", *peers, "--prompt", PROMPT, "--max-tokens", "32", "--temperature", "0", "--json")
+    proc = cli("generate", *peers, "--prompt", PROMPT, "--max-tokens", "32", "--temperature", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["tokens"] == reference.tokens
@@ -63,7 +57,7 @@ def test_cli_generate_across_peers_prints_json(route2, reference):
 
 
 def test_cli_generate_whole_model_locally(model, reference):
-    proc = _cli("generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", "32", "--json")
+    proc = cli("generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", "32", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["tokens"] == reference.tokens
 

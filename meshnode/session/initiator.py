@@ -104,13 +104,16 @@ class RouteSession:
         self._channel = open_channel(peers[0])
         self._call = pb_grpc.NodeStub(self._channel).Session()
 
-    async def _exchange(self, frame: pb.SessionFrame) -> pb.SessionReply:
+    async def _write(self, frame: pb.SessionFrame) -> None:
         try:
             await self._call.write(frame)
         except grpc.aio.AioRpcError as e:
             raise translate(e, self.peers[0], "Session") from e
         except asyncio.InvalidStateError as e:  # grpc: the call already ended (the head died)
             raise errors.PeerError("the session stream ended (peer gone)", hop=self.peers[0]) from e
+
+    async def _exchange(self, frame: pb.SessionFrame) -> pb.SessionReply:
+        await self._write(frame)
         return await self._read()
 
     async def _read(self) -> pb.SessionReply:
@@ -164,12 +167,7 @@ class RouteSession:
         """Delegated decode: the head loops; yields one result per generated token."""
         g = pb.Generate(first_step_id=self.step_id + 1, token=token, n_past=self.n_past, max_tokens=max_tokens,
                         step_timeout_nanos=int(self.cfg.step_timeout * 1e9))
-        try:
-            await self._call.write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, generate=g))
-        except grpc.aio.AioRpcError as e:
-            raise translate(e, self.peers[0], "Session") from e
-        except asyncio.InvalidStateError as e:
-            raise errors.PeerError("the session stream ended (peer gone)", hop=self.peers[0]) from e
+        await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, generate=g))
         while True:
             reply = await self._read()
             if not reply.HasField("result") or reply.result.step_id != self.step_id + 1:
