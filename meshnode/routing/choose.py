@@ -3,9 +3,10 @@
 Each candidate serves one fixed range [start, end). A route is a chain of
 candidates whose ranges tile [0, n_layer) exactly. Its estimated time per
 token is the sum over hops of the hop's advertised compute time for one
-token (1 / decode throughput), its measured round-trip time, and a load
-penalty that grows with the sessions it reports live and those this chooser
-already placed on it (so concurrent sessions spread across replicas). Candidates without a free session slot
+token (1 / decode throughput) times the number of sessions that would share
+it (those it reports live, those this chooser already placed on it, and this
+one), its measured round-trip time, and a small per-session penalty — so
+concurrent sessions spread across replicas. Candidates without a free session slot
 are skipped. Shortest path over layer boundaries (Dijkstra); ties break on
 the node ids, so the choice is deterministic.
 """
@@ -42,8 +43,10 @@ UNKNOWN_COMPUTE = 0.050
 
 
 def hop_cost(c: Candidate, load: int) -> float:
+    """Estimated seconds per token on this hop: sessions sharing it share its compute."""
     compute = 1.0 / c.decode_tps if c.decode_tps > 0 else UNKNOWN_COMPUTE
-    return compute + c.rtt + LOAD_PENALTY * (load + c.live_sessions)
+    sharing = load + c.live_sessions
+    return compute * (1 + sharing) + c.rtt + LOAD_PENALTY * sharing
 
 
 def choose_route(candidates: Sequence[Candidate], n_layer: int, *, load: Mapping[str, int] | None = None,

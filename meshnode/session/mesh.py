@@ -82,6 +82,9 @@ async def find_route(query: str, *, mdns_interface: str | None = None, tracker: 
                      timeout: float = 5.0, load: dict[str, int] | None = None) -> list[str]:
     """Endpoints of the fastest route for model ``query``, from mDNS and/or a tracker.
 
+    ``load`` maps endpoints to the sessions the caller already runs through
+    them, so that its concurrent sessions spread across replicas.
+
     Needs a trio-asyncio loop.
     """
     table = PeerTable()
@@ -106,5 +109,7 @@ async def find_route(query: str, *, mdns_interface: str | None = None, tracker: 
 
         for p in peers:
             nursery.start_soon(one, p)
-    route = choose_route(sorted(measured, key=lambda c: c.node_id), peers[0].capability.n_layer, load=load)
+    # ``load``: sessions this caller already placed, by endpoint (what find_route returns)
+    by_node = {c.node_id: (load or {}).get(c.endpoint, 0) for c in measured}
+    route = choose_route(sorted(measured, key=lambda c: c.node_id), peers[0].capability.n_layer, load=by_node)
     return [c.endpoint for c in route]
