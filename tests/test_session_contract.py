@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import grpc
 import numpy as np
 
+from meshnode.identity import NodeIdentity
+from meshnode.identity.routeauth import sign_control
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import encode_bundle
 from tests.conftest import aio, open_frame
-
-
-def _open(sid: str, cap: pb.Capability) -> pb.SessionFrame:
-    return open_frame(sid, cap)
 
 
 def _step(sid: str, step_id: int, x: np.ndarray, n_past: int, *, epoch: int = 1, work: str = "") -> pb.SessionFrame:
@@ -32,8 +31,10 @@ async def _contract(endpoint: str) -> dict[str, object]:
         cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
         health0 = await stub.Health(pb.HealthRequest())
         sid = str(uuid.uuid4())
+        me, stranger = NodeIdentity.generate(), NodeIdentity.generate()
+        now = int(time.time())
         call = stub.Session()
-        await call.write(_open(sid, cap))
+        await call.write(open_frame(sid, cap, me))
         seen["accepted"] = (await call.read()).accepted
         seen["live_during"] = (await stub.Health(pb.HealthRequest())).live_sessions - health0.live_sessions
         await call.write(_step(sid, 1, x, 0))
@@ -49,16 +50,38 @@ async def _contract(endpoint: str) -> dict[str, object]:
         seen["cancelled_item"] = (await call.read()).error
         await call.write(_step(sid, 4, x[:1], 2))
         seen["after"] = (await call.read()).result
-        seen["released_oob"] = (await stub.Release(pb.ReleaseRequest(route_session_id=sid))).released
-        seen["released_again"] = (await stub.Release(pb.ReleaseRequest(route_session_id=sid))).released
+        # only the session's initiator may end it out of band
+        for who, order in (("unsigned", pb.SignedEnvelope()),
+                           ("stranger", sign_control(stranger, sid, "release", now=now)),
+                           ("wrong_action", sign_control(me, sid, "cancel", now=now))):
+            try:
+                await stub.Release(pb.ReleaseRequest(route_session_id=sid, auth=order))
+                seen[f"release_by_{who}"] = "ALLOWED"
+            except grpc.aio.AioRpcError as e:
+                seen[f"release_by_{who}"] = e.code().name
+        await call.write(_step(sid, 5, x[:1], 3))
+        seen["still_serving"] = (await call.read()).result
+        release = sign_control(me, sid, "release", now=now)
+        seen["released_oob"] = (await stub.Release(pb.ReleaseRequest(route_session_id=sid, auth=release))).released
+        seen["released_again"] = (await stub.Release(pb.ReleaseRequest(route_session_id=sid, auth=release))).released
         call.cancel()
-        # a Cancel that arrives before its Open
+        # a Cancel that arrives before its Open (and binds only its own initiator's open)
         sid2 = str(uuid.uuid4())
-        seen["early_cancel"] = (await stub.Cancel(pb.CancelRequest(route_session_id=sid2))).cancelled
+        cancel = sign_control(me, sid2, "cancel", now=now)
+        seen["early_cancel"] = (await stub.Cancel(pb.CancelRequest(route_session_id=sid2, auth=cancel))).cancelled
         call2 = stub.Session()
-        await call2.write(_open(sid2, cap))
+        await call2.write(open_frame(sid2, cap, me))
         seen["open_after_cancel"] = (await call2.read()).error
         call2.cancel()
+        # a stranger's early cancel does not stop the real initiator's session
+        sid3 = str(uuid.uuid4())
+        await stub.Cancel(pb.CancelRequest(route_session_id=sid3, auth=sign_control(stranger, sid3, "cancel", now=now)))
+        call3 = stub.Session()
+        await call3.write(open_frame(sid3, cap, me))
+        seen["open_despite_stranger"] = (await call3.read()).HasField("accepted")
+        await call3.write(pb.SessionFrame(route_session_id=sid3, route_epoch=1, release=pb.ReleaseSignal()))
+        await call3.read()
+        call3.cancel()
         seen["live_after"] = (await stub.Health(pb.HealthRequest())).live_sessions - health0.live_sessions
     return seen
 
@@ -78,8 +101,13 @@ async def test_session_contract_on_a_real_tail(route2):
     assert not s["cancelled_item"].terminal
     # the session goes on at position 2: the cancelled item and the stale step ran nothing
     assert s["after"].step_id == 4
+    assert s["release_by_unsigned"] == "PERMISSION_DENIED"
+    assert s["release_by_stranger"] == "PERMISSION_DENIED"
+    assert s["release_by_wrong_action"] == "PERMISSION_DENIED"
+    assert s["still_serving"].step_id == 5
     assert s["released_oob"] is True
     assert s["released_again"] is False
     assert s["early_cancel"] is True
     assert pb.ErrorCode.Name(s["open_after_cancel"].code) == "CANCELLED"
+    assert s["open_despite_stranger"] is True
     assert s["live_after"] == 0

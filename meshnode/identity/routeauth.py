@@ -146,3 +146,25 @@ def check_acceptances(acceptances: list[pb.SignedEnvelope], opens: list[pb.Signe
         o = pb.RouteOpen.FromString(sent.payload)
         if a.nonce != o.nonce or a.hop_node_id != hop.node_id or a.route_session_id != o.route_session_id:
             raise errors.OpenMismatchError(f"{hop.node_id} accepted something other than its open")
+
+
+CONTROL_TYPE = "meshnode.v1.ControlOrder"
+
+
+def sign_control(ident: NodeIdentity, session_id: str, action: str, *, work_id: str = "",
+                 now: int) -> pb.SignedEnvelope:
+    order = pb.ControlOrder(route_session_id=session_id, action=action, work_id=work_id, issued_at_unix=now)
+    return seal(ident, CONTROL_TYPE, order.SerializeToString())
+
+
+def check_control(env: pb.SignedEnvelope, *, session_id: str, action: str, work_id: str, now: int) -> str:
+    """The signer's node id, if ``env`` is a fresh order for exactly this action."""
+    try:
+        order = pb.ControlOrder.FromString(open_envelope(env, CONTROL_TYPE))
+    except errors.SignatureError as e:
+        raise errors.OpenForgedError(f"control order: {e.message}") from e
+    if (order.route_session_id, order.action, order.work_id) != (session_id, action, work_id):
+        raise errors.OpenMismatchError("the signed order is for another session or action")
+    if abs(now - order.issued_at_unix) > CLOCK_SKEW:
+        raise errors.OpenExpiredError("the signed order is stale")
+    return node_id_of(env.signer_public_key)

@@ -1510,20 +1510,62 @@ class SessionReply(_message.Message):
 Global___SessionReply: _TypeAlias = SessionReply  # noqa: Y015
 
 @_typing.final
-class ReleaseRequest(_message.Message):
+class ControlOrder(_message.Message):
+    """The initiator's signed order behind an out-of-band Release or Cancel:
+    only the party that opened a session may end it.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ROUTE_SESSION_ID_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    WORK_ID_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_UNIX_FIELD_NUMBER: _builtins.int
     route_session_id: _builtins.str
-    """the session to free"""
+    """the session"""
+    action: _builtins.str
+    """"release" or "cancel" """
+    work_id: _builtins.str
+    """for cancel: one item; empty = the whole session"""
+    issued_at_unix: _builtins.int
+    """must be within the clock skew of now"""
     def __init__(
         self,
         *,
         route_session_id: _builtins.str = ...,
+        action: _builtins.str = ...,
+        work_id: _builtins.str = ...,
+        issued_at_unix: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["route_session_id", b"route_session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "issued_at_unix", b"issued_at_unix", "route_session_id", b"route_session_id", "work_id", b"work_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControlOrder: _TypeAlias = ControlOrder  # noqa: Y015
+
+@_typing.final
+class ReleaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_SESSION_ID_FIELD_NUMBER: _builtins.int
+    AUTH_FIELD_NUMBER: _builtins.int
+    route_session_id: _builtins.str
+    """the session to free"""
+    @_builtins.property
+    def auth(self) -> Global___SignedEnvelope:
+        """ControlOrder signed by the session's initiator"""
+
+    def __init__(
+        self,
+        *,
+        route_session_id: _builtins.str = ...,
+        auth: Global___SignedEnvelope | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth", "route_session_id", b"route_session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1555,19 +1597,25 @@ class CancelRequest(_message.Message):
 
     ROUTE_SESSION_ID_FIELD_NUMBER: _builtins.int
     WORK_ID_FIELD_NUMBER: _builtins.int
+    AUTH_FIELD_NUMBER: _builtins.int
     route_session_id: _builtins.str
     """the session"""
     work_id: _builtins.str
     """one item; empty = the whole session"""
+    @_builtins.property
+    def auth(self) -> Global___SignedEnvelope:
+        """ControlOrder signed by the session's initiator"""
+
     def __init__(
         self,
         *,
         route_session_id: _builtins.str = ...,
         work_id: _builtins.str = ...,
+        auth: Global___SignedEnvelope | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["route_session_id", b"route_session_id", "work_id", b"work_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth", "route_session_id", b"route_session_id", "work_id", b"work_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,6 +20,7 @@ import grpc
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
 from meshnode.identity import NodeIdentity
+from meshnode.identity.routeauth import check_control, parse_open
 from meshnode.metrics import NodeMetrics
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
@@ -70,6 +71,8 @@ class NodeServicer(pb_grpc.NodeServicer):
         self.sessions: dict[str, HopSession] = {}
         #: ids cancelled before (or without) their open
         self.cancelled: set[str] = set()
+        #: for those: who cancelled (an open by anyone else is not refused by it)
+        self.early_cancellers: dict[str, str] = {}
         self.serving = True
 
     # -- unary --------------------------------------------------------------------
@@ -93,7 +96,23 @@ class NodeServicer(pb_grpc.NodeServicer):
         return pb.TokenizeReply(tokens=vocab.tokenize(request.text, add_special=request.add_special,
                                                       parse_special=request.parse_special))
 
+    async def _authorize(self, context: Any, env: pb.SignedEnvelope, sid: str, action: str, work: str) -> None:
+        """Only the session's initiator may release or cancel it (PERMISSION_DENIED otherwise)."""
+        try:
+            signer = check_control(env, session_id=sid, action=action, work_id=work, now=int(time.time()))
+        except errors.MeshnodeError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{e.code}: {e.message}")
+            raise AssertionError("unreachable") from e
+        s = self.sessions.get(sid)
+        owner = s.route_open.initiator_node_id if s is not None else self.early_cancellers.get(sid, signer)
+        if signer != owner:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"OPEN_UNAUTHENTICATED: only the initiator of session {sid} may {action} it")
+        if s is None and action == "cancel":
+            self.early_cancellers.setdefault(sid, signer)
+
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
+        await self._authorize(context, request.auth, request.route_session_id, "release", "")
         s = self.sessions.pop(request.route_session_id, None)
         if s is None:
             return pb.ReleaseReply(released=False)
@@ -102,6 +121,7 @@ class NodeServicer(pb_grpc.NodeServicer):
 
     async def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelReply:
         sid, work = request.route_session_id, request.work_id
+        await self._authorize(context, request.auth, sid, "cancel", work)
         s = self.sessions.get(sid)
         if work:
             if s is None or work in s.cancelled_work:
@@ -179,7 +199,10 @@ class NodeServicer(pb_grpc.NodeServicer):
             if not self.serving:
                 raise errors.CapacityError("this node is draining and takes no new sessions")
             if sid in self.cancelled:
-                raise errors.CancelledError(f"session {sid} was cancelled before it opened")
+                if self._cancelled_by_its_initiator(frame):
+                    raise errors.CancelledError(f"session {sid} was cancelled before it opened")
+                self.cancelled.discard(sid)  # someone else's cancel: void for this session
+                self.early_cancellers.pop(sid, None)
             if sid in self.sessions:
                 raise errors.SessionError(f"session {sid} is already open on this hop")
             accepted = await session.open(frame)
@@ -192,6 +215,16 @@ class NodeServicer(pb_grpc.NodeServicer):
         self.metrics.sessions_open.set(self.executor.live_slots)
         await context.write(pb.SessionReply(route_session_id=sid, accepted=accepted))
         return True
+
+    def _cancelled_by_its_initiator(self, frame: pb.SessionFrame) -> bool:
+        """An early cancel binds only an open by the same initiator."""
+        canceller = self.early_cancellers.get(frame.route_session_id)
+        if canceller is None:
+            return True  # cancelled in-band or after its open
+        try:
+            return parse_open(frame.open.signed_open).initiator_node_id == canceller
+        except errors.MeshnodeError:
+            return True  # a forged open is refused anyway
 
     async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
         """Answer one frame; False once the session is over."""
