@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -271,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="meshnode", description="Run a GGUF model split by layer ranges across nodes.")
     ap.add_argument("--version", action="version", version=f"meshnode {__version__}")
     ap.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp and debug logs")
+    ap.add_argument("--log-json", action="store_true", help="logs as JSON lines (the default under systemd)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="the default model and range artifacts")
@@ -350,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     ns = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from meshnode import logs
+
+    logs.setup(verbose=ns.verbose, json_lines=True if ns.log_json else None)
     try:
         return int(ns.func(ns))
     except errors.MeshnodeError as e:

@@ -65,3 +65,25 @@ def test_node_sends_ready_watchdog_and_stopping(tmp_path, model):
         if proc.stdout:
             proc.stdout.close()
         sock.close()
+
+
+def test_logs_are_json_lines_for_the_journal(tmp_path, model):
+    import json
+
+    env = {**os.environ, "JOURNAL_STREAM": "8:12345"}  # what systemd sets when stderr is the journal
+    proc = subprocess.Popen([sys.executable, "-m", "meshnode", "serve", "--model", str(model), "--layers", "0:15",
+                             "--state-dir", str(tmp_path / "st")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert any(r["msg"].startswith("serving head layers 0:15") for r in records), err
+    assert any("draining" in r["msg"] for r in records)
+    assert all({"ts", "level", "logger", "msg", "pid"} <= set(r) for r in records)
