@@ -19,17 +19,13 @@ from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.gguf.model import fingerprint, inspect_model
 from meshnode.httpmini import request
 from meshnode.node import RuntimeFile
-from meshnode.routing.assign import weakest_range
+from meshnode.routing.assign import coverage, weakest_range
 from meshnode.transport.client import get_capability, health
 
 
 def replicas_per_layer(ranges: list[tuple[int, int]], n_layer: int) -> list[int]:
     """How many of ``ranges`` serve each layer. Pure."""
-    counts = [0] * n_layer
-    for a, b in ranges:
-        for i in range(max(0, a), min(b, n_layer)):
-            counts[i] += 1
-    return counts
+    return [len(ids) for ids in coverage([("", a, b) for a, b in ranges], n_layer)]
 
 
 async def _tracker_ranges(url: str, fp: str) -> list[tuple[int, int]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from meshnode.routing.assign import coverage as layer_coverage
+from meshnode.routing.assign import model_matches
 from tracker.registry import Entry
 
 
@@ -37,18 +39,12 @@ def node_view(e: Entry, now: float, ttl: float) -> dict[str, Any]:
 
 
 def matches(view: dict[str, Any], query: str) -> bool:
-    q = query.strip().lower()
-    return (len(q) >= 8 and str(view["model"]).startswith(q)) or str(view["model_name"]).lower() == q
+    return model_matches(str(view["model"]), str(view["model_name"]), query)
 
 
 def coverage(nodes: list[dict[str, Any]], n_layer: int) -> list[list[str]]:
     """For each layer, the node ids serving it."""
-    layers: list[list[str]] = [[] for _ in range(n_layer)]
-    for n in nodes:
-        a, b = n["range"]
-        for i in range(max(0, a), min(b, n_layer)):
-            layers[i].append(n["node_id"])
-    return layers
+    return layer_coverage([(n["node_id"], n["range"][0], n["range"][1]) for n in nodes], n_layer)
 
 
 def status(views: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
 from meshnode.discovery.tracker_client import lookup
+from meshnode.routing.assign import model_matches
 from meshnode.routing.choose import Candidate, choose_route
 from meshnode.transport.client import health
 
@@ -26,12 +27,7 @@ SETTLE = 0.5
 
 
 def matches(entry: PeerEntry, query: str) -> bool:
-    """A model named by its fingerprint (or a prefix of 8+ hex digits) or its general.name. Pure."""
-    cap = entry.capability
-    q = query.strip().lower()
-    if len(q) >= 8 and cap.model_fingerprint.startswith(q):
-        return True
-    return cap.model_name.lower() == q
+    return model_matches(entry.capability.model_fingerprint, entry.capability.model_name, query)
 
 
 def _covered(peers: list[PeerEntry]) -> bool:
