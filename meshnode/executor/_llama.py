@@ -48,6 +48,20 @@ def _load_model(path: Path, *, vocab_only: bool = False) -> llama_cpp.llama_mode
     return model  # type: ignore[no-any-return]
 
 
+def batchable(lengths: list[int], n_ubatch: int) -> bool:
+    """Whether chunks of these lengths keep their row order in one llama_decode.
+
+    With non-unified KV, llama.cpp splits a batch "equally": it takes the same
+    number of tokens from every sequence per micro-batch. Equal lengths that
+    fit one micro-batch keep each chunk's rows together, in sequence order.
+    """
+    return len(set(lengths)) <= 1 and sum(lengths) <= n_ubatch
+
+
+def _addr(ptr: Any) -> int:
+    return int(ctypes.cast(ptr, ctypes.c_void_p).value or 0)
+
+
 class Vocab:
     """Tokenizer of a model file (llama.cpp, vocab only)."""
 
@@ -107,6 +121,16 @@ class TokenTable:
         if self._scale is not None:
             out = out * self._scale  # float32 x float32, as ggml_scale
         return np.ascontiguousarray(out, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One session's rows for one llama_decode: token ids (head/whole) or residual rows."""
+
+    seq: int
+    pos0: int
+    tokens: npt.NDArray[np.int32] | None = None
+    embd: F32 | None = None
 
 
 @dataclass
@@ -219,63 +243,122 @@ class LlamaRange:
     def forward(self, seq: int, pos0: int, *, tokens: npt.NDArray[np.int32] | None = None,
                 embd: F32 | None = None) -> StepOutput:
         """Run this range on one chunk of one session. Blocking."""
+        out = self.forward_many([Chunk(seq, pos0, tokens, embd)])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def forward_many(self, chunks: list[Chunk]) -> list[StepOutput | Exception]:
+        """Run several sessions' chunks in one ``llama_decode`` (one weight pass). Blocking.
+
+        Each chunk is validated on its own: a bad one gets its error and the
+        rest still run. The chunks must be for distinct sequences; rows go
+        into the batch in ascending sequence order, which is the order
+        llama.cpp's equal split (non-unified KV) lays them out in its
+        micro-batches, so the captured residual rows map back by offset.
+        """
+        results: list[StepOutput | Exception] = [ExecutorError("not run")] * len(chunks)
+        ready: list[tuple[int, int, int, npt.NDArray[np.int32] | None, F32]] = []
+        for i, c in enumerate(chunks):
+            try:
+                ready.append((c.seq, i, *self._prepare(c)))
+            except Exception as e:  # typed errors from validation, per chunk
+                results[i] = e
+        if len({r[0] for r in ready}) != len(ready):
+            raise ExecutorError("one batch may hold one chunk per sequence")
+        ready.sort()
+        rows = sum(r[2] for r in ready)
+        if not ready:
+            return results
+        if len(ready) > 1 and not batchable([r[2] for r in ready], self.config.n_ubatch):
+            raise ExecutorError("chunks batched together must be of equal length within one micro-batch")
+        batch: Any = self._batch_tok if self.takes_tokens and self.table is None else self._batch_emb
+        batch.n_tokens = rows
+        row = 0
+        for seq, _, n, toks, emb in ready:
+            pos0 = self._next_pos[seq]
+            for j in range(n):
+                k = row + j
+                batch.pos[k] = pos0 + j
+                batch.n_seq_id[k] = 1
+                batch.seq_id[k][0] = seq
+                batch.logits[k] = 1 if (self.captures or j == n - 1) else 0
+            if toks is not None:
+                ctypes.memmove(_addr(batch.token) + 4 * row, toks.ctypes.data, 4 * n)
+            else:
+                ctypes.memmove(_addr(batch.embd) + 4 * row * self.n_embd, emb.ctypes.data,
+                               emb.nbytes)
+            row += n
+        try:
+            outs = self._decode(batch, [(seq, n) for seq, _, n, _, _ in ready])
+        except Exception as e:  # the whole batch failed: every chunk in it
+            for _, i, _, _, _ in ready:
+                results[i] = e
+            return results
+        for (_, i, _, _, _), out in zip(ready, outs, strict=True):
+            results[i] = out
+        return results
+
+    def _prepare(self, c: Chunk) -> tuple[int, npt.NDArray[np.int32] | None, F32]:
+        """Validate one chunk; returns (n_tokens, token ids or None, residual rows)."""
+        tokens, embd = c.tokens, c.embd
         if self.role is Role.HEAD and tokens is not None:
             assert self.table is not None
             self._check_tokens(tokens)
             embd, tokens = self.table.lookup(tokens), None
         n = len(tokens) if tokens is not None else (0 if embd is None else embd.shape[0])
-        self._check(seq, pos0, n)
+        self._check(c.seq, c.pos0, n)
         if tokens is not None:
             if not self.takes_tokens:
                 raise ShapeError("this range takes a residual, not token ids")
             self._check_tokens(tokens)
-            batch = self._fill(self._batch_tok, seq, pos0, n)
-            ctypes.memmove(batch.token, np.ascontiguousarray(tokens, dtype=np.int32).ctypes.data, n * 4)
-        else:
-            assert embd is not None
-            if embd.shape != (n, self.n_embd) or embd.dtype != np.float32:
-                raise ShapeError(f"residual has shape {embd.shape} {embd.dtype}; want ({n}, {self.n_embd}) float32")
-            batch = self._fill(self._batch_emb, seq, pos0, n)
-            ctypes.memmove(batch.embd, np.ascontiguousarray(embd).ctypes.data, embd.nbytes)
-        return self._decode(batch, seq, n)
+            return n, np.ascontiguousarray(tokens, dtype=np.int32), np.empty((0, self.n_embd), np.float32)
+        if embd is None or (self.takes_tokens and self.table is None):
+            raise ShapeError("this range takes token ids, not a residual")
+        if embd.shape != (n, self.n_embd) or embd.dtype != np.float32:
+            raise ShapeError(f"residual has shape {embd.shape} {embd.dtype}; want ({n}, {self.n_embd}) float32")
+        return n, None, np.ascontiguousarray(embd)
 
     def _check_tokens(self, tokens: npt.NDArray[np.int32]) -> None:
         limit = self.table.n_vocab if self.table else (self.vocab.n_tokens if self.vocab else 0)
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= limit):
             raise ShapeError(f"token ids must lie in [0, {limit})")
 
-    def _fill(self, batch: Any, seq: int, pos0: int, n: int) -> Any:
-        batch.n_tokens = n
-        all_out = self.captures  # every row's residual is needed downstream
-        for i in range(n):
-            batch.pos[i] = pos0 + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = 1 if (all_out or i == n - 1) else 0
-        return batch
-
-    def _decode(self, batch: llama_cpp.llama_batch, seq: int, n: int) -> StepOutput:
+    def _decode(self, batch: llama_cpp.llama_batch, parts: list[tuple[int, int]]) -> list[StepOutput]:
+        """One llama_decode over ``parts`` = [(seq, n_tokens)] laid out in order."""
+        rows = sum(n for _, n in parts)
         out: F32 | None = None
         if self.captures:
-            out = np.empty((n, self.n_embd), dtype=np.float32)
+            out = np.empty((rows, self.n_embd), dtype=np.float32)
             cap = self._capture
             cap.dst, cap.capacity = out.ctypes.data, out.nbytes
             cap.written = cap.hits = cap.overflow = 0
         rc = llama_cpp.llama_decode(self._ctx, batch)
-        if rc == 1:
-            raise CapacityError("llama.cpp found no free KV slot for this step")
         if rc != 0:
             # positions may be half-written: drop what this step added
-            llama_cpp.llama_memory_seq_rm(self._mem, seq, self._next_pos[seq], -1)
+            for seq, _ in parts:
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, self._next_pos[seq], -1)
+            if rc == 1:
+                raise CapacityError("llama.cpp found no free KV slot for this step")
             raise ExecutorError(f"llama_decode failed with code {rc}")
-        self._next_pos[seq] += n
+        for seq, n in parts:
+            self._next_pos[seq] += n
+        results: list[StepOutput] = []
         if out is not None:
             if self._capture.overflow or self._capture.written != out.nbytes:
                 raise ExecutorError(
                     f"residual capture got {self._capture.written} of {out.nbytes} bytes "
                     f"({self._capture.hits} captures)"
                 )
-            return StepOutput(residual=out, logits=None)
-        ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
-        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab_out,)).copy()
-        return StepOutput(residual=None, logits=logits)
+            row = 0
+            for _, n in parts:
+                results.append(StepOutput(residual=out[row : row + n], logits=None))
+                row += n
+            return results
+        row = 0
+        for _, n in parts:
+            row += n
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, row - 1)
+            logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab_out,)).copy()
+            results.append(StepOutput(residual=None, logits=logits))
+        return results

@@ -6,6 +6,13 @@ one KV sequence (a slot) from ``open_slot`` until ``release``.
 Concurrency: llama.cpp contexts are not thread-safe, so every call into the
 context runs on one dedicated worker thread (a single-thread pool: the
 equivalent of a ``CapacityLimiter(1)`` per context), never on the event loop.
+
+Batching: ``forward`` only queues a chunk. The worker, whenever it is free,
+takes what is queued and runs every chunk that can share one llama_decode
+(``pick_batch``: the oldest chunk plus later ones of the same length for other
+sessions, within one micro-batch) as a single batch: one pass over the
+weights serves all of them. A lone session pays nothing for this; concurrent
+sessions' steps coalesce on their own while the worker is busy.
 The awaitables are asyncio futures because the node's per-session data path
 runs as asyncio coroutines inside trio-asyncio (docs/architecture.md, "the
 bridge"). Cancelling an await does not interrupt llama.cpp: the step runs to
@@ -24,8 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshnode.errors import CapacityError
-from meshnode.executor._llama import F32, LlamaRange, StepOutput, Vocab
+from meshnode.executor._llama import F32, Chunk, LlamaRange, StepOutput, Vocab, batchable
 from meshnode.executor.config import ExecConfig
 from meshnode.gguf.slicer import RangeArtifact, Role
 
@@ -43,7 +51,36 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Timed:
     output: StepOutput
+    #: time inside llama.cpp of the batch this chunk ran in
     compute_nanos: int
+    #: chunks in that batch (1 = ran alone)
+    batch_size: int = 1
+
+
+def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
+    """Indices of the queued chunks ``[(seq, n_tokens)]`` (oldest first) to run as one batch.
+
+    The oldest always runs; later chunks of other sessions join while the
+    batch stays ``batchable`` (equal lengths within one micro-batch), so no
+    session waits behind a batch it could not join for longer than one step.
+    """
+    if not pending:
+        return []
+    seq0, n0 = pending[0]
+    chosen, seqs, lengths = [0], {seq0}, [n0]
+    for i, (seq, n) in enumerate(pending[1:], start=1):
+        if seq in seqs or not batchable([*lengths, n], n_ubatch):
+            continue
+        chosen.append(i)
+        seqs.add(seq)
+        lengths.append(n)
+    return chosen
+
+
+@dataclass
+class _Job:
+    chunk: Chunk
+    future: concurrent.futures.Future[Timed]
 
 
 class RangeExecutor:
@@ -57,6 +94,10 @@ class RangeExecutor:
         self.config = config
         self._free = list(range(config.max_sessions - 1, -1, -1))
         self.steps_total = 0
+        self.batches_total = 0
+        self._lock = threading.Lock()
+        self._queue: list[_Job] = []
+        self._draining = False
 
     def run_blocking(self, fn: Callable[[LlamaRange], T]) -> T:
         """Run ``fn(range)`` on the executor's thread and wait (start-up work only)."""
@@ -93,6 +134,8 @@ class RangeExecutor:
     def open_slot(self) -> int:
         if not self._free:
             raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
+        # the lowest free slot: llama.cpp batches runs of consecutive sequence ids
+        self._free.sort(reverse=True)
         return self._free.pop()
 
     async def release(self, slot: int) -> None:
@@ -104,14 +147,46 @@ class RangeExecutor:
 
     async def forward(self, slot: int, pos0: int, *, tokens: npt.NDArray[np.int32] | None = None,
                       embd: F32 | None = None) -> Timed:
-        fut = self._pool.submit(self._timed, slot, pos0, tokens, embd)
-        return await asyncio.wrap_future(fut)
+        """Queue one chunk of one session; resolves when its batch has run."""
+        job = _Job(Chunk(slot, pos0, tokens, embd), concurrent.futures.Future())
+        with self._lock:
+            self._queue.append(job)
+            if not self._draining:
+                self._draining = True
+                self._pool.submit(self._drain)
+        return await asyncio.wrap_future(job.future)
 
-    def _timed(self, slot: int, pos0: int, tokens: npt.NDArray[np.int32] | None, embd: F32 | None) -> Timed:
-        t0 = time.perf_counter_ns()
-        out = self._range.forward(slot, pos0, tokens=tokens, embd=embd)
-        self.steps_total += 1
-        return Timed(out, time.perf_counter_ns() - t0)
+    def _drain(self) -> None:
+        """On the worker: run one batch of what is queued, then come back for the rest."""
+        with self._lock:
+            idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch)
+            jobs = [self._queue[i] for i in idx]
+            for i in sorted(idx, reverse=True):
+                del self._queue[i]
+        try:
+            t0 = time.perf_counter_ns()
+            outs = self._range.forward_many([j.chunk for j in jobs])
+            took = time.perf_counter_ns() - t0
+        except Exception as e:  # handed to every waiter
+            outs, took = [e] * len(jobs), 0
+        self.steps_total += len(jobs)
+        self.batches_total += 1
+        for job, out in zip(jobs, outs, strict=True):
+            if isinstance(out, Exception):
+                job.future.set_exception(out)
+            else:
+                job.future.set_result(Timed(out, took, len(jobs)))
+        with self._lock:
+            if self._queue:
+                self._pool.submit(self._drain)
+            else:
+                self._draining = False
+
+    @staticmethod
+    def _rows(c: Chunk) -> int:
+        if c.tokens is not None:
+            return len(c.tokens)
+        return 0 if c.embd is None else int(c.embd.shape[0])
 
     def close(self) -> None:
         self._pool.submit(self._range.close).result()

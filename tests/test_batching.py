@@ -1,0 +1,137 @@
+"""Cross-session batching on real llama.cpp: one llama_decode for several sessions'
+steps gives every session exactly what it gets alone (head, middle-capture and tail)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+import trio_asyncio
+
+from meshnode.errors import CacheMissError, ExecutorError, ShapeError
+from meshnode.executor._llama import Chunk, LlamaRange, batchable
+from meshnode.executor.api import RangeExecutor, pick_batch
+from meshnode.executor.config import ExecConfig
+from meshnode.gguf.slicer import ensure_range
+
+PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Paris is the capital of",
+           "1, 2, 3, 4,", "Once upon a time", "The quick brown fox", "import numpy as", "Water boils at"]
+N_DECODE = 6
+CUT = 12
+
+
+def test_pick_batch_takes_equal_lengths_of_distinct_sessions() -> None:
+    assert pick_batch([], 512) == []
+    assert pick_batch([(0, 1), (1, 1), (0, 1), (2, 7), (3, 1)], 512) == [0, 1, 4]
+    assert pick_batch([(5, 7), (1, 1), (2, 7)], 512) == [0, 2]
+    assert pick_batch([(0, 300), (1, 300)], 512) == [0]  # would span two micro-batches
+    assert batchable([4, 4], 8) and not batchable([4, 4], 7) and not batchable([1, 2], 512)
+
+
+def _prompts(tail: LlamaRange) -> list[np.ndarray]:
+    assert tail.vocab is not None
+    return [np.asarray(tail.vocab.tokenize(p), dtype=np.int32) for p in PROMPTS]
+
+
+def _solo(head: LlamaRange, tail: LlamaRange, toks: np.ndarray) -> tuple[list[int], list[np.ndarray]]:
+    tokens: list[int] = []
+    logits: list[np.ndarray] = []
+    step, pos = toks, 0
+    for _ in range(N_DECODE):
+        res = head.forward(0, pos, tokens=step).residual
+        out = tail.forward(0, pos, embd=res).logits
+        assert out is not None
+        pos += len(step)
+        logits.append(out)
+        tokens.append(int(np.argmax(out)))
+        step = np.asarray(tokens[-1:], dtype=np.int32)
+    head.release(0)
+    tail.release(0)
+    return tokens, logits
+
+
+@pytest.fixture(scope="module")
+def pair(model: Path) -> tuple[LlamaRange, LlamaRange]:
+    n = 30
+    cfg = ExecConfig(max_sessions=8)
+    return LlamaRange(ensure_range(model, 0, CUT), cfg), LlamaRange(ensure_range(model, CUT, n), cfg)
+
+
+def test_batched_decode_equals_each_session_alone(pair: tuple[LlamaRange, LlamaRange]) -> None:
+    head, tail = pair
+    prompts = _prompts(tail)
+    solo = [_solo(head, tail, p) for p in prompts]
+    # prefill each session alone (prompts differ in length), then decode all 8 in one batch per step
+    pos = [0] * len(prompts)
+    last: list[int] = []
+    got: list[list[np.ndarray]] = [[] for _ in prompts]
+    for s, p in enumerate(prompts):
+        res = head.forward(s, 0, tokens=p).residual
+        out = tail.forward(s, 0, embd=res).logits
+        assert out is not None
+        got[s].append(out)
+        last.append(int(np.argmax(out)))
+        pos[s] = len(p)
+    for _ in range(N_DECODE - 1):
+        hs = head.forward_many([Chunk(s, pos[s], tokens=np.asarray([last[s]], np.int32)) for s in range(8)])
+        rs = [h.residual for h in hs if not isinstance(h, Exception)]
+        assert len(rs) == 8
+        ts = tail.forward_many([Chunk(s, pos[s], embd=rs[s]) for s in range(8)])
+        for s, t in enumerate(ts):
+            assert not isinstance(t, Exception)
+            assert t.logits is not None
+            got[s].append(t.logits)
+            last[s] = int(np.argmax(t.logits))
+            pos[s] += 1
+    for s in range(8):
+        assert [int(np.argmax(x)) for x in got[s]] == solo[s][0]
+        for a, b in zip(got[s], solo[s][1], strict=True):
+            np.testing.assert_array_equal(a, b)
+        head.release(s)
+        tail.release(s)
+
+
+def test_a_bad_chunk_fails_alone(pair: tuple[LlamaRange, LlamaRange]) -> None:
+    head, tail = pair
+    p = _prompts(tail)[0]
+    outs = head.forward_many([
+        Chunk(0, 0, tokens=p[:3]),
+        Chunk(1, 5, tokens=p[:3]),  # this session holds nothing at position 5
+        Chunk(2, 0, tokens=np.asarray([1, 2, 10**7], np.int32)),  # token id out of range
+        Chunk(3, 0, tokens=p[:3]),
+    ])
+    assert isinstance(outs[1], CacheMissError)
+    assert isinstance(outs[2], ShapeError)
+    a, b = outs[0], outs[3]
+    assert not isinstance(a, Exception) and not isinstance(b, Exception)
+    np.testing.assert_array_equal(a.residual, b.residual)  # same tokens, same rows
+    assert head.next_pos(1) == 0 and head.next_pos(2) == 0 and head.next_pos(0) == 3
+    with pytest.raises(ExecutorError):
+        head.forward_many([Chunk(0, 3, tokens=p[:1]), Chunk(0, 3, tokens=p[:2])])
+    for s in range(4):
+        head.release(s)
+
+
+async def test_concurrent_forwards_coalesce_into_batches(model: Path) -> None:
+    ex = RangeExecutor(ensure_range(model, 0, CUT), ExecConfig(max_sessions=8))
+    try:
+        slots = [ex.open_slot() for _ in range(8)]
+        assert slots == list(range(8))  # lowest free first: runs of consecutive ids batch
+
+        async def one(slot: int) -> None:
+            for pos in range(4):
+                await ex.forward(slot, pos, tokens=np.asarray([slot + 1], np.int32))
+
+        async with trio_asyncio.open_loop():
+            async with trio.open_nursery() as nursery:
+                for s in slots:
+                    nursery.start_soon(trio_asyncio.aio_as_trio(one), s)
+            assert ex.steps_total == 32
+            assert ex.batches_total < 32  # steps queued while the worker ran were batched
+            for s in slots:
+                await trio_asyncio.aio_as_trio(ex.release)(s)
+        assert ex.free_slots == 8
+    finally:
+        ex.close()
