@@ -211,12 +211,8 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
         await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
                                               node_id=ident.node_id, endpoint=advertised))
     if config.tracker:
-        def health() -> pb.HealthReply:
-            return pb.HealthReply(serving=servicer.serving, live_sessions=executor.live_slots,
-                                  free_sessions=executor.free_slots, steps_total=executor.steps_total)
-
         await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: servicer.capability,
-                                              health, interval=config.heartbeat))
+                                              servicer.health, interval=config.heartbeat))
 
 
 def _metrics_handler(metrics: NodeMetrics) -> Handler:

@@ -768,6 +768,11 @@ class HealthReply(_message.Message):
     LIVE_SESSIONS_FIELD_NUMBER: _builtins.int
     FREE_SESSIONS_FIELD_NUMBER: _builtins.int
     STEPS_TOTAL_FIELD_NUMBER: _builtins.int
+    TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    STEP_SECONDS_MEAN_FIELD_NUMBER: _builtins.int
+    DETACHED_SESSIONS_FIELD_NUMBER: _builtins.int
+    BATCHES_TOTAL_FIELD_NUMBER: _builtins.int
     serving: _builtins.bool
     """accepting new sessions"""
     live_sessions: _builtins.int
@@ -776,6 +781,16 @@ class HealthReply(_message.Message):
     """session slots free now"""
     steps_total: _builtins.int
     """steps executed since start"""
+    tokens_total: _builtins.int
+    """token positions executed since start (prefill + decode)"""
+    errors_total: _builtins.int
+    """error frames answered since start"""
+    step_seconds_mean: _builtins.float
+    """mean time from receiving a step to having its result"""
+    detached_sessions: _builtins.int
+    """sessions whose stream broke, KV kept for a resume"""
+    batches_total: _builtins.int
+    """llama_decode calls (steps_total / batches_total = mean batch size)"""
     def __init__(
         self,
         *,
@@ -783,10 +798,15 @@ class HealthReply(_message.Message):
         live_sessions: _builtins.int = ...,
         free_sessions: _builtins.int = ...,
         steps_total: _builtins.int = ...,
+        tokens_total: _builtins.int = ...,
+        errors_total: _builtins.int = ...,
+        step_seconds_mean: _builtins.float = ...,
+        detached_sessions: _builtins.int = ...,
+        batches_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_sessions", b"free_sessions", "live_sessions", b"live_sessions", "serving", b"serving", "steps_total", b"steps_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_total", b"batches_total", "detached_sessions", b"detached_sessions", "errors_total", b"errors_total", "free_sessions", b"free_sessions", "live_sessions", b"live_sessions", "serving", b"serving", "step_seconds_mean", b"step_seconds_mean", "steps_total", b"steps_total", "tokens_total", b"tokens_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -994,6 +1014,8 @@ class SessionOpen(_message.Message):
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _builtins.int
     SIGNED_OPEN_FIELD_NUMBER: _builtins.int
     FORWARDER_PROOF_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    N_PAST_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """sender's schema version"""
     route_session_id: _builtins.str
@@ -1008,6 +1030,14 @@ class SessionOpen(_message.Message):
     """tail also returns the logits of each step's last token"""
     deadline_unix_nanos: _builtins.int
     """the open must complete by then"""
+    resume: _builtins.bool
+    """Failover: reattach to this session's KV state if this hop still holds it
+    (its stream broke; the hop keeps the state for a grace period), keeping
+    only positions [0, n_past). A hop that holds nothing starts empty and is
+    rebuilt by replay steps. Needs a higher route_epoch and the same initiator.
+    """
+    n_past: _builtins.int
+    """with resume: positions the initiator has results for"""
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the range this hop is to run"""
@@ -1053,10 +1083,12 @@ class SessionOpen(_message.Message):
         deadline_unix_nanos: _builtins.int = ...,
         signed_open: Global___SignedEnvelope | None = ...,
         forwarder_proof: Global___SignedEnvelope | None = ...,
+        resume: _builtins.bool = ...,
+        n_past: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["forwarder_proof", b"forwarder_proof", "limits", b"limits", "numerics", b"numerics", "range", b"range", "sampling", b"sampling", "signed_open", b"signed_open"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_nanos", b"deadline_unix_nanos", "downstream", b"downstream", "forwarder_proof", b"forwarder_proof", "limits", b"limits", "model_fingerprint", b"model_fingerprint", "numerics", b"numerics", "range", b"range", "return_logits", b"return_logits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "sampling", b"sampling", "schema_version", b"schema_version", "signed_open", b"signed_open", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_nanos", b"deadline_unix_nanos", "downstream", b"downstream", "forwarder_proof", b"forwarder_proof", "limits", b"limits", "model_fingerprint", b"model_fingerprint", "n_past", b"n_past", "numerics", b"numerics", "range", b"range", "resume", b"resume", "return_logits", b"return_logits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "sampling", b"sampling", "schema_version", b"schema_version", "signed_open", b"signed_open", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1073,6 +1105,7 @@ class SessionAccepted(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     HOPS_FIELD_NUMBER: _builtins.int
     ACCEPTANCES_FIELD_NUMBER: _builtins.int
+    CACHED_FIELD_NUMBER: _builtins.int
     route_session_id: _builtins.str
     """echo of the open"""
     route_epoch: _builtins.int
@@ -1089,6 +1122,10 @@ class SessionAccepted(_message.Message):
     def acceptances(self) -> _containers.RepeatedCompositeFieldContainer[Global___SignedEnvelope]:
         """RouteAccept of this hop, then of each downstream hop"""
 
+    @_builtins.property
+    def cached(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """positions each hop (same order as hops) holds after the open"""
+
     def __init__(
         self,
         *,
@@ -1097,10 +1134,11 @@ class SessionAccepted(_message.Message):
         limits: Global___FlowLimits | None = ...,
         hops: _abc.Iterable[Global___Capability] | None = ...,
         acceptances: _abc.Iterable[Global___SignedEnvelope] | None = ...,
+        cached: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptances", b"acceptances", "hops", b"hops", "limits", b"limits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptances", b"acceptances", "cached", b"cached", "hops", b"hops", "limits", b"limits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1141,6 +1179,7 @@ class Step(_message.Message):
     ACTIVATION_FIELD_NUMBER: _builtins.int
     SAMPLE_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _builtins.int
+    REPLAY_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """idempotency key: strictly increasing per session"""
     work_id: _builtins.str
@@ -1149,6 +1188,12 @@ class Step(_message.Message):
     """the tail samples a token from the last row"""
     deadline_unix_nanos: _builtins.int
     """the step must complete by then (0 = session default)"""
+    replay: _builtins.bool
+    """Replay after a failover: re-send a chunk of the session's history, in its
+    original chunking. A hop that already holds these positions passes its
+    stored output on (the tail just acknowledges); a hop that does not computes
+    them. Never samples.
+    """
     @_builtins.property
     def cache(self) -> Global___CacheExpectation:
         """what must already be cached"""
@@ -1171,10 +1216,11 @@ class Step(_message.Message):
         activation: Global___TensorBundle | None = ...,
         sample: _builtins.bool = ...,
         deadline_unix_nanos: _builtins.int = ...,
+        replay: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache", "deadline_unix_nanos", b"deadline_unix_nanos", "sample", b"sample", "step_id", b"step_id", "tokens", b"tokens", "work_id", b"work_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache", "deadline_unix_nanos", b"deadline_unix_nanos", "replay", b"replay", "sample", b"sample", "step_id", b"step_id", "tokens", b"tokens", "work_id", b"work_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -69,6 +69,8 @@ class NodeServicer(pb_grpc.NodeServicer):
         self.limits = limits
         self.endpoint = endpoint
         self.sessions: dict[str, HopSession] = {}
+        #: sessions whose stream broke without a release: KV kept for a resume (failover)
+        self.detached: dict[str, HopSession] = {}
         #: ids cancelled before (or without) their open
         self.cancelled: set[str] = set()
         #: for those: who cancelled (an open by anyone else is not refused by it)
@@ -84,9 +86,17 @@ class NodeServicer(pb_grpc.NodeServicer):
         return self.capability
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
-        ex = self.executor
+        return self.health()
+
+    def health(self) -> pb.HealthReply:
+        """Load and headline figures: answered to Health, sent with tracker heartbeats."""
+        ex, m = self.executor, self.metrics
+        n_steps = sum(m.steps.counts)
         return pb.HealthReply(serving=self.serving, live_sessions=ex.live_slots, free_sessions=ex.free_slots,
-                              steps_total=ex.steps_total)
+                              steps_total=ex.steps_total, tokens_total=int(sum(m.tokens.values.values())),
+                              errors_total=int(sum(m.errors.values.values())),
+                              step_seconds_mean=m.steps.total / n_steps if n_steps else 0.0,
+                              detached_sessions=len(self.detached), batches_total=ex.batches_total)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeReply:
         vocab = self.executor.vocab
