@@ -27,7 +27,9 @@ def test_pick_batch_takes_equal_lengths_of_distinct_sessions() -> None:
     assert pick_batch([(0, 1), (1, 1), (0, 1), (2, 7), (3, 1)], 512) == [0, 1, 4]
     assert pick_batch([(5, 7), (1, 1), (2, 7)], 512) == [0, 2]
     assert pick_batch([(0, 300), (1, 300)], 512) == [0]  # would span two micro-batches
-    assert batchable([4, 4], 8) and not batchable([4, 4], 7) and not batchable([1, 2], 512)
+    assert batchable([4, 4], 8)
+    assert not batchable([4, 4], 7)
+    assert not batchable([1, 2], 512)
 
 
 def _prompts(tail: LlamaRange) -> list[np.ndarray]:
@@ -105,9 +107,12 @@ def test_a_bad_chunk_fails_alone(pair: tuple[LlamaRange, LlamaRange]) -> None:
     assert isinstance(outs[1], CacheMissError)
     assert isinstance(outs[2], ShapeError)
     a, b = outs[0], outs[3]
-    assert not isinstance(a, Exception) and not isinstance(b, Exception)
+    assert not isinstance(a, Exception)
+    assert not isinstance(b, Exception)
     np.testing.assert_array_equal(a.residual, b.residual)  # same tokens, same rows
-    assert head.next_pos(1) == 0 and head.next_pos(2) == 0 and head.next_pos(0) == 3
+    assert head.next_pos(1) == 0
+    assert head.next_pos(2) == 0
+    assert head.next_pos(0) == 3
     with pytest.raises(ExecutorError):
         head.forward_many([Chunk(0, 3, tokens=p[:1]), Chunk(0, 3, tokens=p[:2])])
     for s in range(4):
