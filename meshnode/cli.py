@@ -12,7 +12,7 @@ import functools
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -149,16 +149,20 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
     if ns.mesh and not (ns.mdns or ns.tracker):
         raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR and/or --tracker URL")
+    if ns.spare and not ns.peer:
+        raise errors.InputError("--spare goes with --peer (with --mesh every other peer found is a spare)")
+    on_token = _stream_printer(ns.json) if ns.stream else None
     if ns.peer or ns.mesh:
         async def main() -> object:
             async with trio_asyncio.open_loop():
-                peers = ns.peer
+                peers, spares = ns.peer, ns.spare
                 if ns.mesh:
-                    from meshnode.session.mesh import find_route
+                    from meshnode.session.mesh import discover
 
-                    peers = await find_route(ns.mesh, mdns_interface=ns.mdns, tracker=ns.tracker,
-                                             timeout=ns.discover_timeout)
-                return await trio_asyncio.aio_as_trio(generate)(peers, cfg)
+                    found = await discover(ns.mesh, mdns_interface=ns.mdns, tracker=ns.tracker,
+                                           timeout=ns.discover_timeout)
+                    peers, spares = found.route, found.spares
+                return await trio_asyncio.aio_as_trio(generate)(peers, cfg, spares=spares, on_token=on_token)
 
         result = trio.run(main)
     else:
@@ -167,11 +171,23 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
         silence_llama_logs()
         result = generate_local(_model(ns), cfg, _exec_config(ns))
-    _print_result(result, ns.json)
+    _print_result(result, ns.json, streamed=on_token is not None and bool(ns.peer or ns.mesh))
     return 0
 
 
-def _print_result(result: object, as_json: bool) -> None:
+def _stream_printer(as_json: bool) -> Callable[[int, bytes], None]:
+    """--stream: each token as it arrives (a JSON line each with --json, else the text)."""
+    def show(token: int, piece: bytes) -> None:
+        if as_json:
+            print(json.dumps({"token": token, "piece": piece.decode("utf-8", errors="replace")}), flush=True)
+        else:
+            sys.stdout.buffer.write(piece)
+            sys.stdout.flush()
+
+    return show
+
+
+def _print_result(result: object, as_json: bool, streamed: bool = False) -> None:
     from meshnode.session.initiator import GenerationResult
 
     assert isinstance(result, GenerationResult)
@@ -184,7 +200,10 @@ def _print_result(result: object, as_json: bool) -> None:
             "decode_tokens_per_second": (
                 round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
             ),
+            "failovers": result.failovers,
         }))
+    elif streamed:
+        print()  # the text went out token by token
     else:
         print(result.text)
 
@@ -325,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                      help="residual dtype on the wire; f16 is NOT bit-exact")
+    gen.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
+                     help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
+    gen.add_argument("--stream", action="store_true",
+                     help="print each token as it arrives (with --json: one JSON line per token, then the result)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_exec_flags(gen)
     gen.set_defaults(func=cmd_generate)

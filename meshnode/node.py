@@ -171,7 +171,10 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             return capability(artifact, config.executor, config.limits, ident, hardware=hw, throughput=tput,
                               endpoints=endpoints)
 
-        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        async with trio_asyncio.open_loop() as loop, trio.open_nursery() as nursery:
+            # an asyncio task's stray error is logged, never raised into the node (trio-asyncio's
+            # default handler would end the whole node for one session's forgotten task)
+            loop.set_exception_handler(_log_loop_error)
             servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen, ident=ident)
             addr = await nursery.start(serve_grpc, servicer, config.listen)
             servicer.endpoint = addr
@@ -191,6 +194,7 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             interval = watchdog_interval()
             if interval:
                 nursery.start_soon(run_watchdog, interval)
+            nursery.start_soon(_sweep_detached, servicer)
             task_status.started(addr)
             await (stop if stop is not None else trio.Event()).wait()
             await _drain(servicer, executor, config.drain_timeout)
@@ -224,10 +228,23 @@ def _metrics_handler(metrics: NodeMetrics) -> Handler:
     return handle
 
 
+def _log_loop_error(loop: object, context: dict[str, object]) -> None:
+    exc = context.get("exception")
+    log.error("asyncio: %s", context.get("message"), exc_info=exc if isinstance(exc, BaseException) else None)
+
+
+async def _sweep_detached(servicer: NodeServicer, every: float = 1.0) -> None:
+    """Free broken sessions' KV state once no resume came within the grace period."""
+    while True:
+        await trio.sleep(every)
+        await trio_asyncio.aio_as_trio(servicer.sweep)()
+
+
 async def _drain(servicer: NodeServicer, executor: RangeExecutor, timeout: float) -> None:
     """Refuse new sessions; give live ones ``timeout`` seconds to finish."""
     notify("STOPPING=1")
     servicer.serving = False
+    await trio_asyncio.aio_as_trio(servicer.drop_detached)()  # no resume is coming any more
     log.info("draining: %d live sessions, up to %.0fs", executor.live_slots, timeout)
     with trio.move_on_after(timeout):
         # slots are freed by asyncio-side session code; a bounded 100 ms poll is simpler

@@ -227,6 +227,12 @@ class LlamaRange:
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._next_pos[seq] = 0
 
+    def truncate(self, seq: int, n_past: int) -> None:
+        """Keep only positions [0, n_past) of a sequence (a resumed session's confirmed prefix)."""
+        if n_past < self._next_pos[seq]:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, n_past, -1)
+            self._next_pos[seq] = n_past
+
     def _check(self, seq: int, pos0: int, n: int) -> None:
         if not 0 <= seq < self.config.max_sessions:
             raise CapacityError(f"sequence {seq} is outside this executor's {self.config.max_sessions} slots")

@@ -40,7 +40,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from meshnode.errors import CapacityError
+from meshnode.errors import CancelledError, CapacityError
 from meshnode.executor._llama import F32, Chunk, LlamaRange, StepOutput, Vocab, batchable
 from meshnode.executor.config import ExecConfig
 from meshnode.gguf.slicer import RangeArtifact, Role
@@ -77,7 +77,7 @@ def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
     return chosen
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the chunk holds arrays
 class _Job:
     chunk: Chunk
     future: concurrent.futures.Future[Timed]
@@ -132,15 +132,39 @@ class RangeExecutor:
     # -- sessions --------------------------------------------------------------
 
     def open_slot(self) -> int:
-        if not self._free:
-            raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
-        # the lowest free slot: llama.cpp batches runs of consecutive sequence ids
-        self._free.sort(reverse=True)
-        return self._free.pop()
+        with self._lock:
+            if not self._free:
+                raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
+            # the lowest free slot: llama.cpp batches runs of consecutive sequence ids
+            self._free.sort(reverse=True)
+            return self._free.pop()
 
     async def release(self, slot: int) -> None:
-        await asyncio.wrap_future(self._pool.submit(self._range.release, slot))
-        self._free.append(slot)
+        """Free the slot's KV and hand the slot back; completes even if the caller is cancelled.
+
+        Callers release while cleaning up, which is exactly when grpc cancels a
+        handler (its client cancels the call once it has the final reply), so
+        the slot goes back to the free list on the worker, not after this await.
+        Chunks of the slot still queued are refused (they belong to the session
+        being released; run later, they would write into a freed or reused slot).
+        """
+        with self._lock:
+            stale = [j for j in self._queue if j.chunk.seq == slot]
+            self._queue = [j for j in self._queue if j.chunk.seq != slot]
+        for job in stale:
+            job.future.set_exception(CancelledError(f"the session of slot {slot} was released"))
+        await asyncio.wrap_future(self._pool.submit(self._release, slot))
+
+    def _release(self, slot: int) -> None:
+        """On the worker, after every batch that was already running."""
+        try:
+            self._range.release(slot)
+        finally:
+            with self._lock:
+                self._free.append(slot)
+
+    async def truncate(self, slot: int, n_past: int) -> None:
+        await asyncio.wrap_future(self._pool.submit(self._range.truncate, slot, n_past))
 
     def next_pos(self, slot: int) -> int:
         return self._range.next_pos(slot)
@@ -154,7 +178,13 @@ class RangeExecutor:
             if not self._draining:
                 self._draining = True
                 self._pool.submit(self._drain)
-        return await asyncio.wrap_future(job.future)
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            with self._lock:  # not started yet: never run it (a resume may truncate this slot next)
+                if job in self._queue:
+                    self._queue.remove(job)
+            raise
 
     def _drain(self) -> None:
         """On the worker: run one batch of what is queued, then come back for the rest."""

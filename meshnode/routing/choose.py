@@ -50,15 +50,20 @@ def hop_cost(c: Candidate, load: int) -> float:
 
 
 def choose_route(candidates: Sequence[Candidate], n_layer: int, *, load: Mapping[str, int] | None = None,
-                 avoid: frozenset[str] = frozenset()) -> list[Candidate]:
-    """The chain covering [0, n_layer) with the lowest estimated time per token."""
+                 avoid: frozenset[str] = frozenset(), start: int = 0) -> list[Candidate]:
+    """The chain covering [start, n_layer) with the lowest estimated time per token.
+
+    ``start`` > 0 asks for the chain of one span [start, n_layer) only: a failover re-routes
+    the span of a dead hop and keeps the rest of the route.
+    """
     load = load or {}
-    usable = [c for c in candidates if c.free_sessions > 0 and c.node_id not in avoid and 0 <= c.start < c.end]
+    usable = [c for c in candidates
+              if c.free_sessions > 0 and c.node_id not in avoid and start <= c.start < c.end]
     by_start: dict[int, list[Candidate]] = {}
     for c in usable:
         by_start.setdefault(c.start, []).append(c)
     # (cost, tie-break path of node ids, boundary, path)
-    heap: list[tuple[float, tuple[str, ...], int, tuple[Candidate, ...]]] = [(0.0, (), 0, ())]
+    heap: list[tuple[float, tuple[str, ...], int, tuple[Candidate, ...]]] = [(0.0, (), start, ())]
     done: set[int] = set()
     while heap:
         cost, ids, at, path = heapq.heappop(heap)
@@ -71,14 +76,14 @@ def choose_route(candidates: Sequence[Candidate], n_layer: int, *, load: Mapping
             if c.end <= n_layer and c.end not in done:
                 heapq.heappush(heap, (cost + hop_cost(c, load.get(c.node_id, 0)), (*ids, c.node_id), c.end,
                                       (*path, c)))
-    raise RouteError(gap_message(usable, n_layer, reached=done))
+    raise RouteError(gap_message(usable, n_layer, reached=done, start=start))
 
 
-def gap_message(usable: Sequence[Candidate], n_layer: int, reached: set[int]) -> str:
+def gap_message(usable: Sequence[Candidate], n_layer: int, reached: set[int], start: int = 0) -> str:
     """Name the first layers no reachable chain serves, e.g. 'layers 12-17 are not served ...'."""
     if not usable:
-        return f"no reachable node serves this model (layers 0-{n_layer - 1} are not served)"
-    frontier = max(reached) if reached else 0
+        return f"no reachable node serves this model (layers {start}-{n_layer - 1} are not served)"
+    frontier = max(reached) if reached else start
     later = [c.start for c in usable if c.start > frontier]
     last = (min(later) - 1) if later else n_layer - 1
     return f"layers {frontier}-{last} are not served by any reachable node"

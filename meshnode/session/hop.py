@@ -9,8 +9,16 @@ per-token path stays on one side). Per frame:
       -> write the result upstream
 
 A failing step is answered with a typed ``Error`` frame; only terminal
-errors end the stream. Whatever happens, ``close()`` frees the KV slot and
-closes the downstream stream, so a session never leaks.
+errors end the stream. ``close()`` frees the KV slot and closes the
+downstream stream, so a session never leaks.
+
+Failover: a session whose stream breaks without a release is *detached*
+(``detach()``: downstream closed, KV slot kept) for ``HopLimits.detach_grace``
+seconds. An open with ``resume`` (a higher epoch, signed by the same
+initiator) adopts it (``adopt()``), keeps the confirmed positions, and the
+initiator's replay steps rebuild whichever hop holds nothing: a non-tail hop
+keeps its output rows per chunk (``history``) so that it can pass them on for
+positions it already holds, without recomputing them.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class HopLimits:
     credits: int = 4
     #: seconds a downstream hop may take to answer a step without a deadline
     step_timeout: float = 30.0
+    #: seconds a broken session's KV state is kept for a resume (failover)
+    detach_grace: float = 30.0
 
 
 def negotiate(a: pb.FlowLimits, b: pb.FlowLimits) -> pb.FlowLimits:
@@ -109,12 +119,20 @@ class HopSession:
     last_step_id: int = 0
     last_result: pb.StepResult | None = None
     cancelled_work: set[str] = field(default_factory=set)
-    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     route_open: pb.RouteOpen = field(default_factory=pb.RouteOpen)
+    #: non-tail: this hop's output rows per chunk, by first position (for replay)
+    history: dict[int, np.ndarray] = field(default_factory=dict)
+    #: set once the stream handling this session has ended
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    #: may be kept for a resume when its stream breaks (not after release, cancel or a bug)
+    detachable: bool = False
+    #: monotonic time it was detached
+    detached_at: float = 0.0
 
     # -- open -----------------------------------------------------------------
 
-    async def open(self, frame: pb.SessionFrame) -> pb.SessionAccepted:
+    async def open(self, frame: pb.SessionFrame, prior: HopSession | None = None) -> pb.SessionAccepted:
+        """Accept an open; with ``prior`` (a detached session of this id) adopt its KV state."""
         o = frame.open
         self.session_id, self.epoch, self.open_msg = o.route_session_id, o.route_epoch, o
         cap = self.capability
@@ -143,19 +161,35 @@ class HopSession:
             credits=self.limits.credits,
         )
         self.negotiated = negotiate(own, o.limits)
-        self.rng = np.random.default_rng(o.sampling.seed)
-        self.slot = self.executor.open_slot()
+        if prior is not None:
+            await self.adopt(prior, o)
+        else:
+            self.slot = self.executor.open_slot()
+        assert self.slot is not None
         hops = [cap]
         acceptances = [accept(self.ident, self.route_open)]
+        cached = [self.executor.next_pos(self.slot)]
         if o.downstream:
             accepted = await self._open_downstream(o)
             self.negotiated = negotiate(self.negotiated, accepted.limits)
             hops.extend(accepted.hops)
             acceptances.extend(accepted.acceptances)
+            cached.extend(accepted.cached)
         return pb.SessionAccepted(
             route_session_id=o.route_session_id, route_epoch=o.route_epoch, limits=self.negotiated, hops=hops,
-            acceptances=acceptances,
+            acceptances=acceptances, cached=cached,
         )
+
+    async def adopt(self, prior: HopSession, o: pb.SessionOpen) -> None:
+        """Take over a detached session's KV state, keeping positions [0, o.n_past)."""
+        if prior.route_open.initiator_node_id != self.route_open.initiator_node_id:
+            raise errors.OpenMismatchError(f"session {o.route_session_id} was opened by another initiator")
+        if o.route_epoch <= prior.epoch:
+            raise errors.EpochStaleError(f"a resume needs an epoch above {prior.epoch}, not {o.route_epoch}")
+        assert prior.slot is not None
+        self.slot, prior.slot = prior.slot, None
+        await self.executor.truncate(self.slot, o.n_past)
+        self.history = {p: r for p, r in prior.history.items() if p + len(r) <= o.n_past}
 
     async def _open_downstream(self, o: pb.SessionOpen) -> pb.SessionAccepted:
         nxt = o.downstream[0]
@@ -208,6 +242,8 @@ class HopSession:
         assert self.open_msg is not None
         ex = self.executor
         n_past = ex.next_pos(self.slot)
+        if s.replay and s.cache.n_past < n_past:
+            return await self._replay_cached(frame, left)
         if s.cache.n_past != n_past:
             raise errors.CacheMissError(f"step expects {s.cache.n_past} cached positions; this hop holds {n_past}")
         tokens = embd = None
@@ -231,12 +267,17 @@ class HopSession:
                               bytes_in=s.activation.total_bytes if embd is not None else 4 * n)
         out = timed.output
         if out.residual is not None:
+            self.history[n_past] = out.residual
             return await self._forward(frame, out.residual, n_past, timing, left)
         assert out.logits is not None
         result = pb.StepResult(step_id=s.step_id, timings=[timing])
+        if s.replay:
+            return result  # rebuilt this hop's KV; the token was sampled before the failover
         if s.sample:
             o = self.open_msg.sampling
-            tok = sample(out.logits, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p or 1.0, rng=self.rng)
+            # one RNG per position: a replacement tail samples what the original would have
+            rng = np.random.default_rng([o.seed, n_past + n - 1])
+            tok = sample(out.logits, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p or 1.0, rng=rng)
             vocab = ex.vocab
             assert vocab is not None
             result.token = tok
@@ -246,6 +287,28 @@ class HopSession:
             result.logits.CopyFrom(encode_bundle(out.logits[None, :], max_chunk_bytes=1 << 30))
         return result
 
+    async def _replay_cached(self, frame: pb.SessionFrame, left: float | None) -> pb.StepResult:
+        """A replay step for positions this hop holds: pass the stored rows on (tail: acknowledge)."""
+        s = frame.step
+        pos = s.cache.n_past
+        if self.executor.takes_tokens:
+            n = len(s.tokens)
+        else:
+            n = decode_bundle(s.activation, n_cols=self.executor.n_embd,
+                              max_chunk_bytes=self.negotiated.max_chunk_bytes).shape[0]
+            if s.activation.pos_start != pos:
+                raise errors.CacheMissError(f"activation starts at position {s.activation.pos_start}, not {pos}")
+        if n < 1:
+            raise errors.ShapeError("a replay step carries no positions")
+        timing = pb.HopTiming(endpoint=self.endpoint, n_tokens=n)
+        if self.downstream is None:
+            return pb.StepResult(step_id=s.step_id, timings=[timing])
+        rows = self.history.get(pos)
+        if rows is None or len(rows) != n:
+            raise errors.CacheMissError(f"no stored output for a {n}-position chunk at position {pos}; replay "
+                                        "must repeat the session's original chunking")
+        return await self._forward(frame, rows, pos, timing, left)
+
     async def _forward(self, frame: pb.SessionFrame, residual: np.ndarray, n_past: int,
                        timing: pb.HopTiming, left: float | None) -> pb.StepResult:
         assert self.downstream is not None
@@ -254,7 +317,7 @@ class HopSession:
         bundle = encode_bundle(residual, dtype=self.open_msg.wire_dtype or pb.DTYPE_F32, pos_start=n_past,
                                max_chunk_bytes=self.negotiated.max_chunk_bytes)
         fwd = pb.Step(step_id=s.step_id, work_id=s.work_id, cache=s.cache, activation=bundle,
-                      sample=s.sample, deadline_unix_nanos=s.deadline_unix_nanos)
+                      sample=s.sample and not s.replay, deadline_unix_nanos=s.deadline_unix_nanos, replay=s.replay)
         out = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd)
         reply = await self.downstream.exchange(out, left if left is not None else self.limits.step_timeout)
         if reply.HasField("error"):
@@ -300,11 +363,16 @@ class HopSession:
             with contextlib.suppress(errors.MeshnodeError):
                 await self.downstream.exchange(frame, self.limits.step_timeout)
 
-    async def close(self) -> None:
-        """Free the KV slot and the downstream stream. Idempotent."""
+    async def detach(self) -> None:
+        """The stream broke: close downstream, keep the KV slot for a resume."""
         if self.downstream is not None:
             down, self.downstream = self.downstream, None
             await down.close()
+
+    async def close(self) -> None:
+        """Free the KV slot and the downstream stream. Idempotent."""
+        self.history.clear()
+        await self.detach()
         if self.slot is not None:
             slot, self.slot = self.slot, None
             await self.executor.release(slot)

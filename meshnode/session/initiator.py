@@ -4,15 +4,25 @@
 ``trio_asyncio.aio_as_trio``): the per-token loop crosses no trio<->asyncio
 boundary. Every step carries a deadline, and every read waits at most until
 it, so a dead hop surfaces as a typed error naming it, never a hang.
+
+Failover: the initiator keeps the session's history (the chunks it fed, in
+their original chunking: prompt chunks, then one token per step). When a hop
+fails and a spare peer serves its span, ``_fail_over`` swaps that span only,
+reopens the route with ``resume`` under the next epoch (the other hops keep
+their KV state) and replays the history from the lowest position some hop
+lacks; the replaced hop recomputes it in the original chunking, so its KV
+cache — and every later token — is bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
 
 import grpc
 import numpy as np
@@ -25,10 +35,16 @@ from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.routing.chain import PeerView, check_chain
+from meshnode.routing.choose import Candidate
+from meshnode.routing.failover import Backoff, can_fail_over, replacement
 from meshnode.transport.client import get_capability, open_channel, tokenize, translate
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import decode_bundle
+
+log = logging.getLogger("meshnode.initiator")
+#: re-routes one generation may make before it gives up
+MAX_FAILOVERS = 4
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,25 @@ class GenerationResult:
     logits: list[np.ndarray] = field(default_factory=list)
     #: wire bytes received per hop per decoded token (activation payloads)
     bytes_per_token: dict[str, float] = field(default_factory=dict)
+    #: re-routes made (``Failover`` as dicts), in order
+    failovers: list[dict[str, object]] = field(default_factory=list)
+
+
+@dataclass
+class Failover:
+    """One re-route: which hop failed, who took over, what it cost."""
+
+    hop: str
+    layers: str
+    error: str
+    replacement: list[str]
+    #: positions replayed through the new route
+    replayed_positions: int
+    #: seconds from seeing the failure to the route being whole again
+    recovery_seconds: float
+    #: seconds from seeing the failure to the next token (None if none came)
+    seconds_to_next_token: float | None = None
+    detected_at: float = 0.0
 
 
 def peer_view(endpoint: str, cap: pb.Capability) -> PeerView:
@@ -100,6 +135,8 @@ class RouteSession:
         self.epoch = 1
         self.step_id = 0
         self.n_past = 0
+        #: chunks fed whose results arrived, in order (positions [0, n_past)): what a failover replays
+        self.history: list[list[int]] = []
         self.limits = pb.FlowLimits()
         self._channel = open_channel(peers[0])
         self._call = pb_grpc.NodeStub(self._channel).Session()
@@ -130,7 +167,7 @@ class RouteSession:
             raise codec.error_from_pb(reply.error)
         return reply
 
-    async def open(self) -> pb.SessionAccepted:
+    async def open(self, *, resume: bool = False) -> pb.SessionAccepted:
         head = self.caps[0]
         plans = [HopPlan(c.node_id, c.attestation.signer_public_key, c.range.start, c.range.end) for c in self.caps]
         opens = sign_route(self.ident, session_id=self.id, epoch=self.epoch, fingerprint=head.model_fingerprint,
@@ -143,7 +180,8 @@ class RouteSession:
             limits=head.limits, wire_dtype=self.cfg.wire_dtype,  # type: ignore[arg-type]
             sampling=pb.Sampling(temperature=self.cfg.temperature, seed=self.cfg.seed, top_p=1.0),
             numerics=head.numerics, return_logits=self.cfg.return_logits,
-            deadline_unix_nanos=codec.deadline_in(self.cfg.step_timeout),
+            deadline_unix_nanos=codec.deadline_in(self.cfg.step_timeout), resume=resume,
+            n_past=self.n_past if resume else 0,
         )
         reply = await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, open=o))
         if not reply.HasField("accepted"):
@@ -153,27 +191,55 @@ class RouteSession:
         return reply.accepted
 
     async def step(self, tokens: Sequence[int], *, sample: bool) -> pb.StepResult:
+        result = await self._step(tokens, self.n_past, sample=sample)
+        self.n_past += len(tokens)
+        self.history.append(list(tokens))
+        return result
+
+    async def _step(self, tokens: Sequence[int], pos: int, *, sample: bool, replay: bool = False) -> pb.StepResult:
         self.step_id += 1
-        s = pb.Step(step_id=self.step_id, tokens=list(tokens), sample=sample,
-                    cache=pb.CacheExpectation(n_past=self.n_past),
+        s = pb.Step(step_id=self.step_id, tokens=list(tokens), sample=sample, replay=replay,
+                    cache=pb.CacheExpectation(n_past=pos),
                     deadline_unix_nanos=codec.deadline_in(self.cfg.step_timeout))
         reply = await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, step=s))
         if not reply.HasField("result") or reply.result.step_id != self.step_id:
             raise errors.PeerError(f"answered step {self.step_id} with something else", hop=self.peers[0])
-        self.n_past += len(tokens)
         return reply.result
+
+    async def resume(self, peers: Sequence[str], caps: Sequence[pb.Capability]) -> int:
+        """Reopen on ``peers`` under the next epoch, keeping hops' KV state; replay what some hop lacks.
+
+        Returns the number of positions replayed.
+        """
+        await self.close()
+        self.peers, self.caps = list(peers), list(caps)
+        self.epoch += 1
+        self._channel = open_channel(self.peers[0])
+        self._call = pb_grpc.NodeStub(self._channel).Session()
+        accepted = await self.open(resume=True)
+        low = min(accepted.cached, default=0)
+        pos = replayed = 0
+        for chunk in self.history:
+            if pos + len(chunk) > low:
+                await self._step(chunk, pos, sample=False, replay=True)
+                replayed += len(chunk)
+            pos += len(chunk)
+        return replayed
 
     async def generate(self, token: int, max_tokens: int) -> AsyncIterator[pb.StepResult]:
         """Delegated decode: the head loops; yields one result per generated token."""
         g = pb.Generate(first_step_id=self.step_id + 1, token=token, n_past=self.n_past, max_tokens=max_tokens,
                         step_timeout_nanos=int(self.cfg.step_timeout * 1e9))
         await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, generate=g))
+        fed = token
         while True:
             reply = await self._read()
             if not reply.HasField("result") or reply.result.step_id != self.step_id + 1:
                 raise errors.PeerError(f"answered step {self.step_id + 1} with something else", hop=self.peers[0])
             self.step_id += 1
             self.n_past += 1
+            self.history.append([fed])
+            fed = reply.result.token
             yield reply.result
             if reply.result.last:
                 return
@@ -190,11 +256,19 @@ class RouteSession:
         await self._channel.close(grace=None)
 
 
-async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentity | None = None) -> GenerationResult:
-    """Generate across the route ``peers`` (in layer order)."""
+async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentity | None = None, *,
+                   spares: Sequence[str] = (),
+                   on_token: Callable[[int, bytes], None] | None = None) -> GenerationResult:
+    """Generate across the route ``peers`` (in layer order).
+
+    ``spares``: other peers of the same model; when a hop fails, one of them
+    (or a chain of them) that serves its span takes over. ``on_token`` is
+    called with each token id and its text bytes as it arrives.
+    """
     if cfg.max_tokens < 1:
         raise errors.InputError("--max-tokens must be at least 1")
     caps = await check_route(peers)
+    spare_caps = await _spare_capabilities([s for s in spares if s not in peers], caps[0])
     prompt = await tokenize(peers[-1], cfg.prompt)  # the tail carries the vocabulary
     if not prompt:
         raise errors.InputError("the prompt tokenizes to nothing")
@@ -206,66 +280,139 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
     rs = RouteSession(peers, caps, cfg, ident)
     try:
         await rs.open()
-        return await _run(rs, prompt, cfg, caps)
+        return await _Run(rs, prompt, cfg, spare_caps, on_token).run()
     except BaseException:
         await rs.close()
         raise
 
 
-async def _decode_results(
-    rs: RouteSession, first: pb.StepResult, cfg: GenerateConfig
-) -> AsyncGenerator[pb.StepResult, None]:
-    """The prefill's result, then one per decoded token (delegated to the head, or step by step)."""
-    yield first
-    if first.end_of_generation or cfg.max_tokens <= 1:
-        return
-    if cfg.delegate:
-        async for r in rs.generate(first.token, cfg.max_tokens - 1):
-            yield r
-        return
-    result = first
-    for _ in range(cfg.max_tokens - 1):
-        result = await rs.step([result.token], sample=True)
-        yield result
-        if result.end_of_generation:
-            return
+async def _spare_capabilities(spares: Sequence[str], head: pb.Capability) -> dict[str, pb.Capability]:
+    """Capabilities of the spares that are up, attested and run the route's model and numerics."""
+    async def one(endpoint: str) -> tuple[str, pb.Capability | None]:
+        try:
+            cap = await get_capability(endpoint, 5.0)
+            check_attested(endpoint, cap, int(time.time()))
+        except errors.MeshnodeError as e:
+            log.warning("spare %s is not usable: %s", endpoint, e)
+            return endpoint, None
+        same = (cap.model_fingerprint == head.model_fingerprint
+                and codec.numerics_key(cap.numerics) == codec.numerics_key(head.numerics))
+        return endpoint, cap if same else None
+
+    found = await asyncio.gather(*(one(s) for s in spares))
+    return {e: c for e, c in found if c is not None}
 
 
-async def _run(rs: RouteSession, prompt: list[int], cfg: GenerateConfig,
-               caps: Sequence[pb.Capability]) -> GenerationResult:
-    chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
-    logits: list[np.ndarray] = []
-    t0 = time.perf_counter()
-    result = pb.StepResult()
-    for i in range(0, len(prompt), chunk):
-        part = prompt[i : i + chunk]
-        result = await rs.step(part, sample=i + chunk >= len(prompt))
-    prefill = time.perf_counter() - t0
-    tokens: list[int] = []
-    pieces: list[bytes] = []
-    bytes_in: dict[str, int] = {}
-    stop = "length"
-    t1 = time.perf_counter()
-    results = _decode_results(rs, result, cfg)
-    async for result in results:
-        if cfg.return_logits:
-            logits.append(decode_bundle(result.logits, n_cols=result.logits.shape[1] if result.logits.shape else 0)[0])
-        tokens.append(result.token)
-        if len(tokens) > 1:
+class _Run:
+    """One generation: prefill, decode, and a failover whenever a hop dies and a spare can take over."""
+
+    def __init__(self, rs: RouteSession, prompt: list[int], cfg: GenerateConfig,
+                 spares: dict[str, pb.Capability], on_token: Callable[[int, bytes], None] | None) -> None:
+        self.rs, self.prompt, self.cfg, self.spares, self.on_token = rs, prompt, cfg, spares, on_token
+        chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
+        self.chunks = [prompt[i : i + chunk] for i in range(0, len(prompt), chunk)]
+        self.tokens: list[int] = []
+        self.pieces: list[bytes] = []
+        self.logits: list[np.ndarray] = []
+        self.bytes_in: dict[str, int] = {}
+        self.stop = "length"
+        self.failovers: list[Failover] = []
+        self.backoff = Backoff()
+
+    async def run(self) -> GenerationResult:
+        rs, cfg = self.rs, self.cfg
+        t0 = time.perf_counter()
+        prefill = 0.0
+        while True:
+            try:
+                done = False
+                while len(rs.history) < len(self.chunks):
+                    i = len(rs.history)
+                    result = await rs.step(self.chunks[i], sample=i == len(self.chunks) - 1)
+                    if i == len(self.chunks) - 1:
+                        prefill = time.perf_counter() - t0
+                        done = self._take(result)
+                t1 = time.perf_counter() if not prefill else t0 + prefill
+                while not done and len(self.tokens) < cfg.max_tokens:
+                    done = await self._decode()
+                break
+            except errors.MeshnodeError as e:
+                if not can_fail_over(e, rs.peers) or len(self.failovers) >= MAX_FAILOVERS or not self.spares:
+                    raise
+                await self._fail_over(e)
+        decode = time.perf_counter() - t1
+        await rs.release()
+        steps = max(len(self.tokens) - 1, 1)
+        return GenerationResult(
+            tokens=self.tokens, text=b"".join(self.pieces).decode("utf-8", errors="replace"),
+            prompt_tokens=self.prompt, stop_reason=self.stop, prefill_seconds=prefill, decode_seconds=decode,
+            route=list(rs.peers), logits=self.logits, bytes_per_token={k: v / steps for k, v in self.bytes_in.items()},
+            failovers=[{k: v for k, v in asdict(f).items() if k != "detected_at"} for f in self.failovers],
+        )
+
+    async def _decode(self) -> bool:
+        """Decode until done or the stream of results ends; True when the generation is over."""
+        rs, left = self.rs, self.cfg.max_tokens - len(self.tokens)
+        if not self.cfg.delegate:
+            return self._take(await rs.step([self.tokens[-1]], sample=True))
+        results = rs.generate(self.tokens[-1], left)
+        try:
+            async for result in results:
+                if self._take(result):
+                    return True
+        finally:
+            with contextlib.suppress(Exception):
+                await results.aclose()  # type: ignore[attr-defined]
+        return False
+
+    def _take(self, result: pb.StepResult) -> bool:
+        """Record one generated token; True when the generation is over."""
+        now = time.perf_counter()
+        for f in self.failovers:
+            if f.seconds_to_next_token is None:
+                f.seconds_to_next_token = now - f.detected_at
+        if self.cfg.return_logits:
+            self.logits.append(decode_bundle(result.logits, n_cols=result.logits.shape[1]
+                                             if result.logits.shape else 0)[0])
+        self.tokens.append(result.token)
+        if len(self.tokens) > 1:
             for t in result.timings:
-                bytes_in[t.endpoint] = bytes_in.get(t.endpoint, 0) + t.bytes_in
+                self.bytes_in[t.endpoint] = self.bytes_in.get(t.endpoint, 0) + t.bytes_in
         if result.end_of_generation:
-            stop = "eog"
-            break
-        pieces.append(result.piece)
-        if len(tokens) >= cfg.max_tokens:
-            break
-    await results.aclose()
-    decode = time.perf_counter() - t1
-    await rs.release()
-    steps = max(len(tokens) - 1, 1)
-    return GenerationResult(
-        tokens=tokens, text=b"".join(pieces).decode("utf-8", errors="replace"), prompt_tokens=prompt,
-        stop_reason=stop, prefill_seconds=prefill, decode_seconds=decode, route=list(rs.peers), logits=logits,
-        bytes_per_token={k: v / steps for k, v in bytes_in.items()},
-    )
+            self.stop = "eog"
+            return True
+        self.pieces.append(result.piece)
+        if self.on_token is not None:
+            self.on_token(result.token, result.piece)
+        return len(self.tokens) >= self.cfg.max_tokens
+
+    async def _fail_over(self, e: errors.MeshnodeError) -> None:
+        rs = self.rs
+        t0 = time.perf_counter()
+        assert e.hop is not None
+        idx = rs.peers.index(e.hop)
+        self.backoff.fail(e.hop, time.monotonic())
+        dead = rs.caps[idx]
+        span = (dead.range.start, dead.range.end)
+        log.warning("hop %s (layers %d:%d) failed: %s; re-routing that span", e.hop, *span, e)
+        cands = [Candidate(c.node_id, ep, c.range.start, c.range.end, c.throughput.decode_tokens_per_second, 0.0, 1)
+                 for ep, c in sorted(self.spares.items()) if ep not in rs.peers]
+        try:
+            chain = replacement(span, cands, self.backoff.avoided(time.monotonic()))
+        except errors.RouteError as why:
+            raise type(e)(f"{e.message}; {why.message}", hop=e.hop) from e
+        new = [c.endpoint for c in chain]
+        peers = [*rs.peers[:idx], *new, *rs.peers[idx + 1 :]]
+        caps = [*rs.caps[:idx], *(self.spares[p] for p in new), *rs.caps[idx + 1 :]]
+        check_chain([peer_view(p, c) for p, c in zip(peers, caps, strict=True)])
+        self.spares.pop(e.hop, None)
+        self.spares.update({p: c for p, c in zip(rs.peers, rs.caps, strict=True) if p != e.hop})
+        for p in new:
+            self.spares.pop(p, None)
+        f = Failover(hop=e.hop, layers=f"{span[0]}:{span[1]}", error=str(e), replacement=new, replayed_positions=0,
+                     recovery_seconds=0.0, detected_at=t0)
+        self.failovers.append(f)
+        f.replayed_positions = await rs.resume(peers, caps)
+        f.recovery_seconds = time.perf_counter() - t0
+        log.warning("re-routed layers %d:%d to %s in %.3fs (%d positions replayed)", *span, ", ".join(new),
+                    f.recovery_seconds, f.replayed_positions)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import trio
 import trio_asyncio
@@ -76,6 +77,21 @@ async def _poll_tracker(url: str, query: str, table: PeerTable) -> None:
 
 async def find_route(query: str, *, mdns_interface: str | None = None, tracker: str | None = None,
                      timeout: float = 5.0, load: dict[str, int] | None = None) -> list[str]:
+    """Endpoints of the fastest route for model ``query`` (see ``discover``)."""
+    return (await discover(query, mdns_interface=mdns_interface, tracker=tracker, timeout=timeout,
+                           load=load)).route
+
+
+@dataclass(frozen=True)
+class Discovered:
+    #: the chosen route's endpoints, in layer order
+    route: list[str]
+    #: every other reachable peer of the model: spares for a failover
+    spares: list[str]
+
+
+async def discover(query: str, *, mdns_interface: str | None = None, tracker: str | None = None,
+                   timeout: float = 5.0, load: dict[str, int] | None = None) -> Discovered:
     """Endpoints of the fastest route for model ``query``, from mDNS and/or a tracker.
 
     ``load`` maps endpoints to the sessions the caller already runs through
@@ -108,4 +124,5 @@ async def find_route(query: str, *, mdns_interface: str | None = None, tracker: 
     # ``load``: sessions this caller already placed, by endpoint (what find_route returns)
     by_node = {c.node_id: (load or {}).get(c.endpoint, 0) for c in measured}
     route = choose_route(sorted(measured, key=lambda c: c.node_id), peers[0].capability.n_layer, load=by_node)
-    return [c.endpoint for c in route]
+    chosen = [c.endpoint for c in route]
+    return Discovered(chosen, sorted(c.endpoint for c in measured if c.endpoint not in chosen))

@@ -1,9 +1,14 @@
 """The Node gRPC service: dispatches frames to HopSessions, translates errors.
 
 Every frame on a Session stream gets exactly one reply, so the stream stays
-in lock step. Errors are translated here, at the boundary: a MeshnodeError
-becomes an ``Error`` frame carrying its code; anything else is a bug, logged
-and answered as INTERNAL (terminal) — the node keeps serving other sessions.
+in lock step. A session whose stream ends without a release or cancel (its
+initiator or a neighbour died) is detached, not freed: its KV state waits
+``detach_grace`` seconds for a resume (failover), is evicted first when an
+open needs its slot, and is freed by ``sweep()`` after that.
+
+Errors are translated here, at the boundary: a MeshnodeError becomes an
+``Error`` frame carrying its code; anything else is a bug, logged and
+answered as INTERNAL (terminal) — the node keeps serving other sessions.
 """
 
 from __future__ import annotations
@@ -123,9 +128,10 @@ class NodeServicer(pb_grpc.NodeServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
         await self._authorize(context, request.auth, request.route_session_id, "release", "")
-        s = self.sessions.pop(request.route_session_id, None)
+        s = self.sessions.pop(request.route_session_id, None) or self.detached.pop(request.route_session_id, None)
         if s is None:
             return pb.ReleaseReply(released=False)
+        s.detachable = False
         await s.close()
         return pb.ReleaseReply(released=True)
 
@@ -140,10 +146,59 @@ class NodeServicer(pb_grpc.NodeServicer):
             return pb.CancelReply(cancelled=True)
         fresh = sid not in self.cancelled
         self.cancelled.add(sid)
+        s = self.sessions.pop(sid, None) or self.detached.pop(sid, None)
         if s is not None:
-            self.sessions.pop(sid, None)
+            s.detachable = False
             await s.close()
         return pb.CancelReply(cancelled=fresh)
+
+    # -- detached sessions (failover) ------------------------------------------------
+
+    async def sweep(self, now: float | None = None) -> int:
+        """Free detached sessions older than the grace period; returns how many."""
+        now = time.monotonic() if now is None else now
+        old = [sid for sid, d in self.detached.items() if now - d.detached_at >= self.limits.detach_grace]
+        for sid in old:
+            await self.detached.pop(sid).close()
+        return len(old)
+
+    async def drop_detached(self) -> None:
+        """Free every detached session (the node is draining)."""
+        while self.detached:
+            _, d = self.detached.popitem()
+            await d.close()
+
+    async def _claim(self, sid: str) -> HopSession | None:
+        """For a resume: the detached session ``sid``, once its old stream has ended (bounded wait)."""
+        old = self.sessions.get(sid)
+        if old is not None:
+            # the initiator tore the old route down; this hop may not have noticed yet
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(old.ended.wait(), self.limits.step_timeout / 10)
+            if self.sessions.get(sid) is old:
+                raise errors.SessionError(f"session {sid} is still live on this hop")
+        return self.detached.pop(sid, None)
+
+    async def _make_room(self) -> None:
+        """No free slot: evict the oldest detached session rather than refuse a live open."""
+        if self.executor.free_slots == 0 and self.detached:
+            sid = min(self.detached, key=lambda k: self.detached[k].detached_at)
+            await self.detached.pop(sid).close()
+
+    async def _end(self, session: HopSession) -> None:
+        """A stream is over: detach its session (if it may resume) or free it."""
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+        if session.detachable and session.slot is not None and self.serving:
+            await session.detach()
+            session.detached_at = time.monotonic()
+            stale = self.detached.pop(session.session_id, None)
+            self.detached[session.session_id] = session
+            if stale is not None:
+                await stale.close()
+        else:
+            await session.close()
+        session.ended.set()
 
     # -- the session stream ---------------------------------------------------------
 
@@ -180,13 +235,11 @@ class NodeServicer(pb_grpc.NodeServicer):
                 if not await self._frame(session, frame, writer):
                     return
         finally:
-            if generation is not None and not generation.done():
-                generation.cancel()
+            if generation is not None:
+                generation.cancel()  # no-op once done; either way its outcome is collected here
                 with contextlib.suppress(BaseException):
                     await generation
-            if self.sessions.get(session.session_id) is session:
-                del self.sessions[session.session_id]
-            await session.close()
+            await self._end(session)
             self.metrics.sessions_open.set(self.executor.live_slots)
 
     async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer,
@@ -199,6 +252,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                 raise  # the read loop ends the session at its next frame (or EOF)
         except Exception as e:
             log.exception("internal error in session %s", session.session_id)
+            session.detachable = False
             await writer.error(session, errors.MeshnodeError(f"internal error: {e!r}"), terminal=True)
 
     async def _open(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
@@ -213,13 +267,23 @@ class NodeServicer(pb_grpc.NodeServicer):
                     raise errors.CancelledError(f"session {sid} was cancelled before it opened")
                 self.cancelled.discard(sid)  # someone else's cancel: void for this session
                 self.early_cancellers.pop(sid, None)
+            prior = await self._claim(sid) if frame.open.resume else None
             if sid in self.sessions:
                 raise errors.SessionError(f"session {sid} is already open on this hop")
-            accepted = await session.open(frame)
+            if prior is None:
+                await self.sweep()
+                await self._make_room()
+            try:
+                accepted = await session.open(frame, prior)
+            except BaseException:
+                if prior is not None and prior.slot is not None:  # not adopted: keep it for a valid resume
+                    self.detached[sid] = prior
+                raise
         except errors.MeshnodeError as e:
             await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
                 e, hop=self.endpoint, terminal=True)))
             return False
+        session.detachable = True
         self.sessions[sid] = session
         self.metrics.sessions.inc()
         self.metrics.sessions_open.set(self.executor.live_slots)
@@ -250,6 +314,8 @@ class NodeServicer(pb_grpc.NodeServicer):
             elif kind == "credit":
                 reply = pb.SessionReply(route_session_id=sid, credit=frame.credit)
             elif kind == "cancel":
+                if not frame.cancel.work_id:
+                    session.detachable = False
                 await session.relay(frame)
                 if frame.cancel.work_id:
                     session.cancelled_work.add(frame.cancel.work_id)
@@ -261,6 +327,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                         errors.CancelledError("session cancelled"), hop=self.endpoint, terminal=True)))
                     return False
             elif kind == "release":
+                session.detachable = False
                 await session.relay(frame)
                 await session.close()
                 await context.write(pb.SessionReply(route_session_id=sid, released=True))
@@ -274,6 +341,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             return not err.terminal
         except Exception as e:  # a bug: answer, log, keep serving others
             log.exception("internal error in session %s", sid)
+            session.detachable = False
             await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
                 errors.MeshnodeError(f"internal error: {e!r}"), hop=self.endpoint, terminal=True)))
             return False
