@@ -143,8 +143,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise errors.InputError("--max-tokens must be at least 1")
     if ns.temperature < 0:
         raise errors.InputError("--temperature must be >= 0")
+    if ns.rejoin_wait < 0:
+        raise errors.InputError("--rejoin-wait must be >= 0")
     cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,
-                         wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32)
+                         wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
+                         rejoin_wait=ns.rejoin_wait)
     if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
         raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
     if ns.mesh and not (ns.mdns or ns.tracker):
@@ -346,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="residual dtype on the wire; f16 is NOT bit-exact")
     gen.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
                      help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
+    gen.add_argument("--rejoin-wait", type=float, default=5.0, metavar="SECONDS",
+                     help="when a failed hop has no spare, wait this long for it to come back (default 5)")
     gen.add_argument("--stream", action="store_true",
                      help="print each token as it arrives (with --json: one JSON line per token, then the result)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")

@@ -7,6 +7,7 @@ the test kills the hop after the first streamed tokens, so the kill lands mid-ge
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
@@ -123,3 +124,33 @@ async def test_killed_hop_is_replaced_and_the_text_is_unchanged(node_factory, re
     expected = [n.endpoint for i, n in enumerate(nodes) if i != victim]
     expected[victim:victim] = [s.endpoint for s in spares]
     assert result["route"] == expected
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+async def test_a_restarted_hop_without_spare_gets_the_session_back_by_replay(model, node_factory, reference48,
+                                                                            tmp_path, victim):
+    """No spare: the initiator waits for the killed hop to come back (a systemd restart: same port, same
+    identity); the restarted node holds no KV state, so the replay rebuilds it and the text is unchanged."""
+    state = tmp_path / "state"
+    state.mkdir()
+    cuts = ("0:15", "15:30")
+    nodes = [await trio.to_thread.run_sync(functools.partial(node_factory, layers, **(
+        {"extra": ("--state-dir", str(state))} if i == victim else {}))) for i, layers in enumerate(cuts)]
+    port = nodes[victim].endpoint.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "meshnode", "generate", *[a for n in nodes for a in ("--peer", n.endpoint)],
+           "--prompt", PROMPT, "--max-tokens", str(N_TOKENS), "--rejoin-wait", "60", "--stream", "--json"]
+
+    async def restart() -> None:
+        await trio.to_thread.run_sync(nodes[victim].proc.wait)
+        await trio.to_thread.run_sync(functools.partial(
+            node_factory, cuts[victim], extra=("--state-dir", str(state), "--listen", f"127.0.0.1:{port}")))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(restart)
+        lines, err = await _generate_and_kill(cmd, nodes[victim])
+    result = lines[-1]
+    assert result["tokens"] == reference48.tokens, err
+    (f,) = result["failovers"]
+    assert f["hop"] == nodes[victim].endpoint
+    assert f["replacement"] == [nodes[victim].endpoint]  # the same peer, back again
+    assert f["replayed_positions"] >= len(reference48.prompt_tokens) + KILL_AFTER - 1

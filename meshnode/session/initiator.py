@@ -65,6 +65,8 @@ class GenerateConfig:
     return_logits: bool = False
     #: delegated decode: the head runs the decode loop (Generate); False = one Step per token from here
     delegate: bool = True
+    #: when a failed hop has no spare: seconds to wait for it to come back (a restart), then replay
+    rejoin_wait: float = 5.0
 
 
 @dataclass
@@ -337,7 +339,7 @@ class _Run:
                     done = await self._decode()
                 break
             except errors.MeshnodeError as e:
-                if not can_fail_over(e, rs.peers) or len(self.failovers) >= MAX_FAILOVERS or not self.spares:
+                if not can_fail_over(e, rs.peers) or len(self.failovers) >= MAX_FAILOVERS:
                     raise
                 await self._fail_over(e)
         decode = time.perf_counter() - t1
@@ -391,19 +393,29 @@ class _Run:
         t0 = time.perf_counter()
         assert e.hop is not None
         idx = rs.peers.index(e.hop)
-        self.backoff.fail(e.hop, time.monotonic())
         dead = rs.caps[idx]
         span = (dead.range.start, dead.range.end)
-        log.warning("hop %s (layers %d:%d) failed: %s; re-routing that span", e.hop, *span, e)
-        cands = [Candidate(c.node_id, ep, c.range.start, c.range.end, c.throughput.decode_tokens_per_second, 0.0, 1)
-                 for ep, c in sorted(self.spares.items()) if ep not in rs.peers]
-        try:
-            chain = replacement(span, cands, self.backoff.avoided(time.monotonic()))
-        except errors.RouteError as why:
-            raise type(e)(f"{e.message}; {why.message}", hop=e.hop) from e
-        new = [c.endpoint for c in chain]
+        if e.code == "CACHE_MISS":
+            # the hop is up but lacks state (it restarted): same route, replay rebuilds it
+            log.warning("hop %s (layers %d:%d) lost the session's KV state; replaying", e.hop, *span)
+            new, new_caps = [e.hop], [dead]
+        else:
+            self.backoff.fail(e.hop, time.monotonic())
+            log.warning("hop %s (layers %d:%d) failed: %s; re-routing that span", e.hop, *span, e)
+            cands = [Candidate(c.node_id, ep, c.range.start, c.range.end, c.throughput.decode_tokens_per_second,
+                               0.0, 1) for ep, c in sorted(self.spares.items()) if ep not in rs.peers]
+            try:
+                chain = replacement(span, cands, self.backoff.avoided(time.monotonic()))
+                new = [c.endpoint for c in chain]
+                new_caps = [self.spares[p] for p in new]
+            except errors.RouteError as why:
+                back = await self._comeback(e.hop, dead)
+                if back is None:
+                    raise type(e)(f"{e.message}; {why.message}, and it did not come back within "
+                                  f"{self.cfg.rejoin_wait:g}s", hop=e.hop) from e
+                new, new_caps = [e.hop], [back]
         peers = [*rs.peers[:idx], *new, *rs.peers[idx + 1 :]]
-        caps = [*rs.caps[:idx], *(self.spares[p] for p in new), *rs.caps[idx + 1 :]]
+        caps = [*rs.caps[:idx], *new_caps, *rs.caps[idx + 1 :]]
         check_chain([peer_view(p, c) for p, c in zip(peers, caps, strict=True)])
         self.spares.pop(e.hop, None)
         self.spares.update({p: c for p, c in zip(rs.peers, rs.caps, strict=True) if p != e.hop})
@@ -416,3 +428,22 @@ class _Run:
         f.recovery_seconds = time.perf_counter() - t0
         log.warning("re-routed layers %d:%d to %s in %.3fs (%d positions replayed)", *span, ", ".join(new),
                     f.recovery_seconds, f.replayed_positions)
+
+    async def _comeback(self, endpoint: str, was: pb.Capability) -> pb.Capability | None:
+        """Wait up to ``rejoin_wait`` for a failed hop to serve its range again (e.g. restarted by systemd)."""
+        deadline = time.monotonic() + self.cfg.rejoin_wait
+        pause = 0.25
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, 2.0)
+            try:
+                cap = await get_capability(endpoint, max(min(2.0, deadline - time.monotonic()), 0.1))
+                check_attested(endpoint, cap, int(time.time()))
+            except errors.MeshnodeError:
+                continue
+            if (cap.model_fingerprint, cap.range.start, cap.range.end) == (
+                    was.model_fingerprint, was.range.start, was.range.end) and codec.numerics_key(
+                    cap.numerics) == codec.numerics_key(was.numerics):
+                self.backoff.succeed(endpoint)
+                return cap
+        return None
