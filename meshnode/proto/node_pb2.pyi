@@ -908,7 +908,7 @@ class FlowLimits(_message.Message):
     max_prefill_chunk_tokens: _builtins.int
     """max tokens per prefill step"""
     credits: _builtins.int
-    """steps the sender may have unanswered"""
+    """steps the sender may have unanswered, and results a Generate"""
     def __init__(
         self,
         *,
@@ -1228,13 +1228,16 @@ Global___Step: _TypeAlias = Step  # noqa: Y015
 
 @_typing.final
 class CreditGrant(_message.Message):
-    """Adds credits (in-band flow control)."""
+    """In-band flow control, initiator -> head: acknowledges results of a running
+    Generate, which may then stream that many more (it pauses at zero). Not
+    answered. Step credits need no grant: each result returns its step's credit.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CREDITS_FIELD_NUMBER: _builtins.int
     credits: _builtins.int
-    """additional steps the sender may have unanswered"""
+    """results acknowledged (1 .. 65536)"""
     def __init__(
         self,
         *,
@@ -1533,7 +1536,7 @@ class SessionReply(_message.Message):
     def error(self) -> Global___Error: ...
     @_builtins.property
     def credit(self) -> Global___CreditGrant:
-        """the hop returns credits as it finishes steps"""
+        """reserved: step credits return implicitly with each result"""
 
     def __init__(
         self,

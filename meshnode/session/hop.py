@@ -38,6 +38,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import accept, check_open, forward_proof
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.session.flow import Flow
 from meshnode.session.sampling import sample
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
@@ -331,12 +332,14 @@ class HopSession:
     # -- delegated decode (head only) ---------------------------------------------
 
     async def generate(self, frame: pb.SessionFrame, write: Callable[[pb.SessionReply], Awaitable[None]],
-                       stop: asyncio.Event) -> None:
+                       stop: asyncio.Event, flow: Flow | None = None) -> None:
         """Run a Generate: one ordinary step per token, each result written upstream.
 
         Stops at end-of-generation, ``max_tokens`` or when ``stop`` is set
         (in-band cancel); the last result written has ``last = true``. A failing
-        step raises after the results before it were written.
+        step raises after the results before it were written. With ``flow``, each
+        step first takes a result credit (it pauses while the initiator has
+        acknowledged too few results).
         """
         g = frame.generate
         if not self.executor.takes_tokens:
@@ -344,6 +347,8 @@ class HopSession:
         token, n_past = g.token, g.n_past
         timeout_ns = g.step_timeout_nanos or int(self.limits.step_timeout * 1e9)
         for i in range(g.max_tokens):
+            if flow is not None and not await flow.take(stop):
+                return  # cancelled or released while paused for credits
             step = pb.Step(step_id=g.first_step_id + i, work_id=g.work_id, tokens=[token], sample=True,
                            cache=pb.CacheExpectation(n_past=n_past), deadline_unix_nanos=codec.now_ns() + timeout_ns)
             frame_i = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=step)

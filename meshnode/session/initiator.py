@@ -140,6 +140,8 @@ class RouteSession:
         #: chunks fed whose results arrived, in order (positions [0, n_past)): what a failover replays
         self.history: list[list[int]] = []
         self.limits = pb.FlowLimits()
+        #: Generate results read and not yet acknowledged with a CreditGrant
+        self._owed = 0
         self._channel = open_channel(peers[0])
         self._call = pb_grpc.NodeStub(self._channel).Session()
 
@@ -216,6 +218,7 @@ class RouteSession:
         await self.close()
         self.peers, self.caps = list(peers), list(caps)
         self.epoch += 1
+        self._owed = 0
         self._channel = open_channel(self.peers[0])
         self._call = pb_grpc.NodeStub(self._channel).Session()
         accepted = await self.open(resume=True)
@@ -242,9 +245,22 @@ class RouteSession:
             self.n_past += 1
             self.history.append([fed])
             fed = reply.result.token
+            if reply.result.last:
+                yield reply.result
+                return
+            await self._acknowledge()
             yield reply.result
             if reply.result.last:
                 return
+
+    async def _acknowledge(self) -> None:
+        """Return a Generate's result credits to the head, half a window at a time."""
+        self._owed += 1
+        credits = self.limits.credits
+        if credits and self._owed >= max(credits // 2, 1):
+            owed, self._owed = self._owed, 0
+            await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
+                                              credit=pb.CreditGrant(credits=owed)))
 
     async def release(self) -> None:
         try:

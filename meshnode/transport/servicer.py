@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ from meshnode.identity.routeauth import check_control, parse_open
 from meshnode.metrics import NodeMetrics
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.session.flow import Flow
 from meshnode.session.hop import HopLimits, HopSession
 from meshnode.wire import codec
 
@@ -59,6 +61,19 @@ class _Writer:
     async def error(self, session: HopSession, e: errors.MeshnodeError, *, terminal: bool | None = None) -> None:
         await self.write(pb.SessionReply(route_session_id=session.session_id,
                                          error=codec.error_to_pb(e, hop=session.endpoint, terminal=terminal)))
+
+
+@dataclass
+class _Control:
+    """What the reader and the executing side of one session stream share."""
+
+    flow: Flow
+    #: a Generate is queued or running: only cancel and release may come in meanwhile
+    generating: bool = False
+    #: set to end the running Generate after its current step
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    #: work id of the running Generate (an in-band cancel of it stops it)
+    work_id: str | None = None
 
 
 class NodeServicer(pb_grpc.NodeServicer):
@@ -203,57 +218,90 @@ class NodeServicer(pb_grpc.NodeServicer):
     # -- the session stream ---------------------------------------------------------
 
     async def Session(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
+        """One route session: this coroutine executes frames in order; a reader task reads ahead.
+
+        Reading ahead is what makes credits enforceable (a step beyond them is
+        refused on arrival, not queued) and lets cancel, release and credit
+        grants act while a step or a Generate is running.
+        """
         session = HopSession(self.executor, self.capability, self.limits, self.endpoint, self.ident, self.nonces)
         writer = _Writer(context, self.metrics)
-        generation: asyncio.Task[None] | None = None
-        stop = asyncio.Event()
+        reader: asyncio.Task[None] | None = None
         try:
             first = await context.read()
             if first is grpc.aio.EOF:
                 return
             if not await self._open(session, first, writer):
                 return
-            while True:
-                frame = await context.read()
-                if frame is grpc.aio.EOF:
-                    return
-                self.metrics.bytes_in.inc(frame.ByteSize())
-                if generation is not None and not generation.done():
-                    if frame.WhichOneof("body") not in ("cancel", "release"):
-                        await writer.error(session, errors.SessionError("a Generate is running on this session"))
-                        continue
-                    stop.set()  # the generation ends after its current step
-                    await generation
-                if generation is not None and generation.done():
-                    if generation.exception() is not None or generation.cancelled():
-                        return
-                    generation = None
-                if frame.WhichOneof("body") == "generate":
-                    stop = asyncio.Event()
-                    generation = asyncio.ensure_future(self._generate(session, frame, writer, stop))
-                    continue
-                if not await self._frame(session, frame, writer):
+            ctl = _Control(Flow(session.negotiated.credits))
+            queue: asyncio.Queue[pb.SessionFrame | None] = asyncio.Queue()
+            reader = asyncio.ensure_future(self._read_ahead(context, session, queue, writer, ctl))
+            while (frame := await queue.get()) is not None:
+                if not await self._work(session, frame, writer, ctl):
                     return
         finally:
-            if generation is not None:
-                generation.cancel()  # no-op once done; either way its outcome is collected here
+            if reader is not None:
+                reader.cancel()  # its outcome is collected here either way
                 with contextlib.suppress(BaseException):
-                    await generation
+                    await reader
             await self._end(session)
             self.metrics.sessions_open.set(self.executor.live_slots)
 
-    async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer,
-                        stop: asyncio.Event) -> None:
+    async def _read_ahead(self, context: Any, session: HopSession, queue: asyncio.Queue[pb.SessionFrame | None],
+                          writer: _Writer, ctl: _Control) -> None:
+        """Read frames as they come: credits and refusals act at once, the rest is queued in order."""
         try:
-            await session.generate(frame, writer.write, stop)
+            while (frame := await context.read()) is not grpc.aio.EOF:
+                self.metrics.bytes_in.inc(frame.ByteSize())
+                kind = frame.WhichOneof("body")
+                try:
+                    if kind == "credit":
+                        ctl.flow.grant(frame.credit.credits)
+                        continue
+                    if ctl.generating and kind not in ("cancel", "release"):
+                        raise errors.SessionError("a Generate is running on this session")
+                    if kind == "step":
+                        ctl.flow.admit()
+                    elif kind == "generate":
+                        ctl.generating, ctl.stop, ctl.work_id = True, asyncio.Event(), frame.generate.work_id
+                    elif kind == "release" or (kind == "cancel" and frame.cancel.work_id in ("", ctl.work_id)):
+                        ctl.stop.set()  # a running Generate ends after its current step
+                    if kind == "cancel" and frame.cancel.work_id:
+                        session.cancelled_work.add(frame.cancel.work_id)
+                except errors.MeshnodeError as e:
+                    await writer.write(pb.SessionReply(route_session_id=session.session_id, error=codec.error_to_pb(
+                        e, hop=self.endpoint, step_id=frame.step.step_id if kind == "step" else 0, terminal=False)))
+                    continue
+                queue.put_nowait(frame)
+        finally:
+            queue.put_nowait(None)
+
+    async def _work(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
+        """Execute one queued frame; False once the session is over."""
+        kind = frame.WhichOneof("body")
+        if kind == "generate":
+            try:
+                return await self._generate(session, frame, writer, ctl)
+            finally:
+                ctl.generating, ctl.work_id = False, None
+        try:
+            return await self._frame(session, frame, writer)
+        finally:
+            if kind == "step":
+                ctl.flow.answered()
+
+    async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
+        try:
+            await session.generate(frame, writer.write, ctl.stop, ctl.flow)
         except errors.MeshnodeError as e:
             await writer.error(session, e)
-            if codec.error_to_pb(e, hop=self.endpoint).terminal:
-                raise  # the read loop ends the session at its next frame (or EOF)
+            return not codec.error_to_pb(e, hop=self.endpoint).terminal
         except Exception as e:
             log.exception("internal error in session %s", session.session_id)
             session.detachable = False
             await writer.error(session, errors.MeshnodeError(f"internal error: {e!r}"), terminal=True)
+            return False
+        return True
 
     async def _open(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
         sid = frame.route_session_id
@@ -311,8 +359,6 @@ class NodeServicer(pb_grpc.NodeServicer):
                 raise errors.CancelledError(f"session {sid} was cancelled or released")
             if kind == "step":
                 reply = await session.step(frame)
-            elif kind == "credit":
-                reply = pb.SessionReply(route_session_id=sid, credit=frame.credit)
             elif kind == "cancel":
                 if not frame.cancel.work_id:
                     session.detachable = False
