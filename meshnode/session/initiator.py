@@ -221,7 +221,10 @@ class RouteSession:
         self._owed = 0
         self._channel = open_channel(self.peers[0])
         self._call = pb_grpc.NodeStub(self._channel).Session()
+        t0 = time.perf_counter()
         accepted = await self.open(resume=True)
+        log.info("resumed route open in %.3fs; hops hold %s positions", time.perf_counter() - t0,
+                 list(accepted.cached))
         low = min(accepted.cached, default=0)
         pos = replayed = 0
         for chunk in self.history:
