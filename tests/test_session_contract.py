@@ -111,3 +111,40 @@ async def test_session_contract_on_a_real_tail(route2):
     assert pb.ErrorCode.Name(s["open_after_cancel"].code) == "CANCELLED"
     assert s["open_despite_stranger"] is True
     assert s["live_after"] == 0
+
+
+async def _deadlines(endpoint: str) -> dict[str, object]:
+    seen: dict[str, object] = {}
+    x = np.random.default_rng(4).standard_normal((1, 576)).astype(np.float32)
+    async with grpc.aio.insecure_channel(endpoint) as ch:
+        stub = pb_grpc.NodeStub(ch)
+        cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
+        me = NodeIdentity.generate()
+        late = open_frame(str(uuid.uuid4()), cap, me)
+        late.open.deadline_unix_nanos = time.time_ns() - 1_000_000_000
+        call = stub.Session()
+        await call.write(late)
+        seen["late_open"] = (await call.read()).error
+        call.cancel()
+        sid = str(uuid.uuid4())
+        call = stub.Session()
+        await call.write(open_frame(sid, cap, me))
+        await call.read()
+        step = _step(sid, 1, x, 0)
+        step.step.deadline_unix_nanos = time.time_ns() - 1_000_000
+        await call.write(step)
+        seen["late_step"] = (await call.read()).error
+        await call.write(_step(sid, 2, x, 0))  # the late step ran nothing: position 0 is still free
+        seen["next"] = (await call.read()).result
+        await call.write(pb.SessionFrame(route_session_id=sid, route_epoch=1, release=pb.ReleaseSignal()))
+        await call.read()
+        call.cancel()
+    return seen
+
+
+async def test_an_expired_open_or_step_is_refused_and_runs_nothing(route2):
+    s = await aio(_deadlines, route2[1].endpoint)
+    assert pb.ErrorCode.Name(s["late_open"].code) == "DEADLINE_EXCEEDED"
+    assert pb.ErrorCode.Name(s["late_step"].code) == "DEADLINE_EXCEEDED"
+    assert not s["late_step"].terminal
+    assert s["next"].step_id == 2

@@ -139,6 +139,9 @@ class HopSession:
         cap = self.capability
         if o.schema_version != SCHEMA_VERSION:
             raise errors.SchemaError(f"schema version {o.schema_version} is not {SCHEMA_VERSION}")
+        left = codec.seconds_left(o.deadline_unix_nanos)
+        if left is not None and left <= 0:
+            raise errors.DeadlineError(f"the open arrived {-left:.3f}s past its deadline")
         if o.model_fingerprint != cap.model_fingerprint:
             raise errors.FingerprintMismatchError(
                 f"this node serves model {cap.model_fingerprint[:12]}…, not {o.model_fingerprint[:12]}…"
