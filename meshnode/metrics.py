@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 #: step latency buckets, seconds
@@ -36,7 +37,12 @@ class Metric:
     def set(self, value: float, **labels: str) -> None:
         self.values[tuple(sorted(labels.items()))] = value
 
+    #: a gauge read when rendered (its value is never stale)
+    source: Callable[[], float] | None = None
+
     def render(self) -> list[str]:
+        if self.source is not None:
+            self.set(self.source())
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
         out += [f"{self.name}{_labels(k)} {v:g}" for k, v in sorted(self.values.items())] or [f"{self.name} 0"]
         return out
@@ -64,8 +70,9 @@ class Histogram:
 
 
 class NodeMetrics:
-    def __init__(self) -> None:
-        self.sessions_open = Metric("meshnode_sessions_open", "Route sessions holding KV state on this node", "gauge")
+    def __init__(self, live_sessions: Callable[[], float] | None = None) -> None:
+        self.sessions_open = Metric("meshnode_sessions_open", "Route sessions holding KV state on this node", "gauge",
+                                    source=live_sessions)
         self.sessions = Metric("meshnode_sessions_total", "Route sessions accepted", "counter")
         self.tokens = Metric("meshnode_tokens_total", "Token positions executed, by kind (prefill|decode)", "counter")
         self.steps = Histogram("meshnode_step_seconds", "Time from receiving a step to having its result")

@@ -81,7 +81,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                  endpoint: str, ident: NodeIdentity) -> None:
         self.executor = executor
         self.ident = ident
-        self.metrics = NodeMetrics()
+        self.metrics = NodeMetrics(live_sessions=lambda: executor.live_slots)
         self.nonces: dict[bytes, int] = {}
         #: makes a freshly signed capability; renewed well before its attestation expires
         self._make_capability = capability
@@ -245,7 +245,6 @@ class NodeServicer(pb_grpc.NodeServicer):
                 with contextlib.suppress(BaseException):
                     await reader
             await self._end(session)
-            self.metrics.sessions_open.set(self.executor.live_slots)
 
     async def _read_ahead(self, context: Any, session: HopSession, queue: asyncio.Queue[pb.SessionFrame | None],
                           writer: _Writer, ctl: _Control) -> None:
@@ -334,7 +333,6 @@ class NodeServicer(pb_grpc.NodeServicer):
         session.detachable = True
         self.sessions[sid] = session
         self.metrics.sessions.inc()
-        self.metrics.sessions_open.set(self.executor.live_slots)
         await context.write(pb.SessionReply(route_session_id=sid, accepted=accepted))
         return True
 
