@@ -57,14 +57,15 @@ class NodeProcess:
 
 
 def start_node(model: Path, layers: str | None, *, extra: Sequence[str] = (), timeout: float = 120.0,
-               state_dir: Path | None = None, command: str = "serve") -> NodeProcess:
+               state_dir: Path | None = None, command: str = "serve", log_json: bool = False) -> NodeProcess:
     """A ``meshnode serve`` child on 127.0.0.1, port 0; each gets its own identity
-    (a fresh temporary state directory) unless ``state_dir`` is given."""
+    (a fresh temporary state directory) unless ``state_dir`` is given. ``log_json``:
+    its log (``stderr()``) is JSON lines at INFO, as under systemd."""
     own_state = None
     if state_dir is None:
         own_state = tempfile.TemporaryDirectory(prefix="meshnode-state-")
         state_dir = Path(own_state.name)
-    cmd = [sys.executable, "-m", "meshnode", command, "--model", str(model),
+    cmd = [sys.executable, "-m", "meshnode", *(["--log-json"] if log_json else []), command, "--model", str(model),
            *(["--layers", layers] if layers else []), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *extra]
     log = tempfile.TemporaryFile(mode="w+")  # owned (and closed) by NodeProcess
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)

@@ -154,7 +154,9 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
 
     Draining: new sessions are refused, live ones get ``drain_timeout``
     seconds to finish, then mDNS and the tracker are told the node leaves
-    (in the shielded cleanup of their tasks) and the server stops.
+    (in the shielded cleanup of their tasks) and the server stops; the
+    sessions still live then are cut, and their KV freed before the
+    executor closes.
     """
     sdir = config.state_dir or state_dir()
     ident = await trio.to_thread.run_sync(load_or_create, sdir)
@@ -198,7 +200,9 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             task_status.started(addr)
             await (stop if stop is not None else trio.Event()).wait()
             await _drain(servicer, executor, config.drain_timeout)
-            nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()  # gRPC stops: the sessions still live are cut
+            with trio.CancelScope(shield=True):
+                await _settle(executor)
     finally:
         runtime.remove()
         executor.close()
@@ -251,6 +255,20 @@ async def _drain(servicer: NodeServicer, executor: RangeExecutor, timeout: float
         # than a cross-library wake-up, and only runs while leaving
         while executor.live_slots:  # noqa: ASYNC110
             await trio.sleep(0.1)
+    if executor.live_slots:
+        log.warning("drain timeout: %d live sessions are cut when gRPC stops", executor.live_slots)
+    else:
+        log.info("drained: no live sessions")
+
+
+async def _settle(executor: RangeExecutor, timeout: float = 8.0) -> None:
+    """While gRPC stops (a 2 s grace, then it cancels the calls left): wait until the cut
+    sessions' clean-up -- free the KV slot, close the downstream stream, on the asyncio
+    loop -- has run, before that loop and the executor close (bounded)."""
+    with trio.move_on_after(timeout):
+        while executor.live_slots:  # noqa: ASYNC110 (as in _drain)
+            await trio.sleep(0.05)
+    log.info("left: %d sessions hold KV", executor.live_slots)
 
 
 class RuntimeFile:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,8 +20,9 @@ from meshnode.identity import NodeIdentity
 from meshnode.identity.advert import advertise, verify_advert
 from meshnode.identity.attest import attest
 from meshnode.proto import node_pb2 as pb
-from tracker.registry import Registry
-from tracker.views import coverage
+from tests.conftest import PROMPT, cli
+from tracker.registry import Entry, Registry
+from tracker.views import coverage, mean_batch, node_view
 
 FP = "ab" * 32
 
@@ -69,6 +71,21 @@ def test_registry_survives_a_restart_within_ttl_and_expires_after(tmp_path):
     assert reg.live(now + 31) == []
     assert reg.last_seq(me.node_id) == 1  # a replay stays refused after expiry
     reg.close()
+
+
+def test_node_view_carries_the_heartbeat_headline_figures():
+    me = NodeIdentity.generate()
+    now = time.time()
+    health = pb.HealthReply(serving=False, live_sessions=2, free_sessions=6, steps_total=30, tokens_total=120,
+                            errors_total=3, step_seconds_mean=0.012345, detached_sessions=1, batches_total=12)
+    env = advertise(me, _cap(me), health, seq=1, now=int(now))
+    entry = Entry(me.node_id, env, verify_advert(env, now=int(now), last_seq=None), now, now)
+    v = node_view(entry, now, ttl=30)
+    assert {k: v[k] for k in ("serving", "live_sessions", "free_sessions", "detached_sessions", "tokens_total",
+                              "errors_total", "step_ms_mean", "steps_total", "batches_total", "mean_batch")} == {
+        "serving": False, "live_sessions": 2, "free_sessions": 6, "detached_sessions": 1, "tokens_total": 120,
+        "errors_total": 3, "step_ms_mean": 12.35, "steps_total": 30, "batches_total": 12, "mean_batch": 2.5}
+    assert mean_batch(0, 0) == 0.0  # a node that has not run a step yet
 
 
 def test_coverage_map():
@@ -166,26 +183,54 @@ def test_nodes_register_heartbeat_and_leave(tracker, node_factory, tmp_path):
         _stop(proc2)
 
 
+def _rows(dom: str) -> dict[str, dict[str, str]]:
+    """Per node row of the rendered page: the text of each cell or span marked ``data-k``."""
+    return {m.group(1): dict(re.findall(r'data-k="(\w+)"[^>]*>([^<]*)<', m.group(2)))
+            for m in re.finditer(r'<tr data-node="([^"]+)">(.*?)</tr>', dom, re.S)}
+
+
+HEADLINE = ("tokens_total", "errors_total", "step_ms_mean", "mean_batch", "live_sessions", "free_sessions",
+            "detached_sessions")
+
+
 def test_the_status_page_in_a_real_browser(tracker, node_factory, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "Debian's chromium is part of the test setup (.ci/install)"
     _, url, _ = tracker
     extra = ("--tracker", url, "--heartbeat", "1")
-    node_factory("0:15", extra=extra)
-    node_factory("15:30", extra=extra)
+    head = node_factory("0:15", extra=extra)
+    tail = node_factory("15:30", extra=extra)
     _wait(lambda: len(_get(url + "/api/status")["nodes"]) == 2)
+    # serve some tokens; the nodes' next heartbeats carry their Health figures to the tracker
+    proc = cli("generate", "--peer", head.endpoint, "--peer", tail.endpoint, "--prompt", PROMPT,
+               "--max-tokens", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    served = len(json.loads(proc.stdout)["prompt_tokens"]) + 7  # the prompt, then one per later token
+    status = _wait(lambda: (s := _get(url + "/api/status"))
+                   and all(n["tokens_total"] == served for n in s["nodes"]) and s)
+    for n in status["nodes"]:
+        # one session alone: 8 steps (the prefill, 7 decodes), each its own llama_decode
+        assert (n["steps_total"], n["batches_total"], n["mean_batch"]) == (8, 8, 1.0)
+        assert n["errors_total"] == 0
+        assert n["step_ms_mean"] > 0
+        assert (n["live_sessions"], n["free_sessions"], n["detached_sessions"]) == (0, n["max_sessions"], 0)
     args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=5000"]
     dom = subprocess.run([*args, "--dump-dom", url + "/"], capture_output=True, text=True, timeout=120).stdout
     assert 'data-ready="1"' in dom
     assert "fully covered" in dom
-    status = _get(url + "/api/status")
+    rows = _rows(dom)
+    assert set(rows) == {n["node_id"] for n in status["nodes"]}
     for n in status["nodes"]:
-        assert n["node_id"] in dom
+        shown = rows[n["node_id"]]
+        assert {k: float(shown[k]) for k in HEADLINE} == {k: float(n[k]) for k in HEADLINE}
+        assert int(shown["tokens_total"]) == served > 0
     assert dom.count("class=\"on\"") == 30  # one cell per layer and serving node
     shot = tmp_path / "tracker.png"
-    subprocess.run([*args, "--window-size=1400,700", f"--screenshot={shot}", url + "/"],
+    subprocess.run([*args, "--window-size=1760,560", f"--screenshot={shot}", url + "/"],
                    capture_output=True, timeout=120)
     assert shot.exists()
     assert shot.stat().st_size > 10_000
+    if os.environ.get("MESHNODE_TRACKER_SCREENSHOT"):  # docs/tracker.md: how docs/tracker.png is made
+        shutil.copyfile(shot, os.environ["MESHNODE_TRACKER_SCREENSHOT"])

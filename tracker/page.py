@@ -18,7 +18,10 @@ PAGE = r"""<!doctype html>
   td.on { background: #2f8f5b; }
   td.gap { background: #f3c4c4; }
   table.nodes { border-collapse: collapse; width: 100%; background: #fff; }
-  table.nodes th, table.nodes td { border-bottom: 1px solid #e3e6ea; padding: 6px 8px; text-align: left; }
+  table.nodes th, table.nodes td { border-bottom: 1px solid #e3e6ea; padding: 6px 8px; text-align: left;
+                                   white-space: nowrap; font-size: 13px; }
+  table.nodes td.num { text-align: right; }
+  table.nodes td.hw { white-space: normal; min-width: 180px; }
   .ok { color: #2f8f5b; font-weight: 600; } .bad { color: #b3261e; font-weight: 600; }
   code { font-size: 12px; }
 </style>
@@ -32,7 +35,8 @@ PAGE = r"""<!doctype html>
 <h2>Nodes</h2>
 <table class="nodes" id="nodes"><thead><tr>
   <th>node</th><th>endpoint</th><th>layers</th><th>role</th><th>decode tok/s</th><th>prefill tok/s</th>
-  <th>sessions</th><th>hardware</th><th>liveness</th></tr></thead><tbody></tbody></table>
+  <th>sessions</th><th>tokens served</th><th>errors</th><th>mean step</th><th>mean batch</th>
+  <th>hardware</th><th>liveness</th></tr></thead><tbody></tbody></table>
 <script>
 function esc(s) { return String(s).replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c])); }
 function model(m) {
@@ -59,7 +63,13 @@ function node(n) {
   return "<tr data-node='" + esc(n.node_id) + "'><td><code>" + esc(n.node_id) + "</code></td><td>" +
     esc(n.endpoints.join(", ")) + "</td><td>" + n.range[0] + ":" + n.range[1] + "</td><td>" + esc(n.role) +
     "</td><td>" + n.decode_tokens_per_second + "</td><td>" + n.prefill_tokens_per_second + "</td><td>" +
-    n.live_sessions + " live / " + n.free_sessions + " free</td><td>" + esc(n.cpu) + " &middot; " + n.cores +
+    "<span data-k='live_sessions'>" + n.live_sessions + "</span> live / <span data-k='free_sessions'>" +
+    n.free_sessions + "</span> free / <span data-k='detached_sessions'" + (n.detached_sessions ? " class='bad'" : "") +
+    ">" + n.detached_sessions + "</span> detached" + (n.serving ? "" : " <span class='bad'>draining</span>") + "</td>" +
+    "<td class='num' data-k='tokens_total'>" + n.tokens_total + "</td><td data-k='errors_total' class='num" +
+    (n.errors_total ? " bad" : "") + "'" + ">" + n.errors_total + "</td><td class='num'><span data-k='step_ms_mean'>" +
+    n.step_ms_mean + "</span> ms</td><td class='num' data-k='mean_batch'>" + n.mean_batch + "</td><td class='hw'>" +
+    esc(n.cpu) + " &middot; " + n.cores +
     " cores &middot; " + (n.memory_total_bytes / 2**30).toFixed(1) + " GiB &middot; " + esc(dev) + "</td><td>" +
     (n.alive ? "<span class='ok'>alive</span>" : "<span class='bad'>stale</span>") + " (" +
     n.last_seen_seconds_ago + " s ago)</td></tr>";

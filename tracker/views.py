@@ -28,14 +28,27 @@ def node_view(e: Entry, now: float, ttl: float) -> dict[str, Any]:
         "cpu_features": list(hw.cpu_features),
         "memory_total_bytes": hw.memory_total_bytes,
         "devices": [{"name": d.name, "type": d.type, "description": d.description} for d in hw.devices],
+        # headline figures of the node's last heartbeat (its HealthReply)
+        "serving": h.serving,
         "live_sessions": h.live_sessions,
         "free_sessions": h.free_sessions,
+        "detached_sessions": h.detached_sessions,
+        "tokens_total": h.tokens_total,
+        "errors_total": h.errors_total,
+        "step_ms_mean": round(h.step_seconds_mean * 1e3, 2),
         "steps_total": h.steps_total,
+        "batches_total": h.batches_total,
+        "mean_batch": mean_batch(h.steps_total, h.batches_total),
         "max_sessions": cap.max_sessions,
         "last_seen_seconds_ago": round(max(0.0, now - e.last_seen), 1),
         "alive": now - e.last_seen <= ttl,
         "envelope": base64.b64encode(e.envelope.SerializeToString()).decode(),
     }
+
+
+def mean_batch(steps: int, batches: int) -> float:
+    """Sessions' steps per llama_decode call (1.0 = no cross-session batching; 0 before any step)."""
+    return round(steps / batches, 2) if batches else 0.0
 
 
 def matches(view: dict[str, Any], query: str) -> bool:
