@@ -208,6 +208,7 @@ class LlamaRange:
             raise ExecutorError("llama.cpp could not create a context (out of memory?)")
         self._stack.callback(llama_cpp.llama_free, self._ctx)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._batch_threads = c.n_threads_batch
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))
 
     def _batch(self, *, embd: int) -> llama_cpp.llama_batch:
@@ -339,6 +340,13 @@ class LlamaRange:
             cap = self._capture
             cap.dst, cap.capacity = out.ctypes.data, out.nbytes
             cap.written = cap.hits = cap.overflow = 0
+        # llama.cpp uses n_threads_batch for any multi-token batch; a batch of sessions' decode
+        # steps (one token each) is decode work: give it the decode threads (threads do not change
+        # numerics). Prefill threads on every core would spin against the other hops' processes.
+        threads = self.config.n_threads if all(n == 1 for _, n in parts) else self.config.n_threads_batch
+        if threads != self._batch_threads:
+            llama_cpp.llama_set_n_threads(self._ctx, self.config.n_threads, threads)
+            self._batch_threads = threads
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:
             # positions may be half-written: drop what this step added

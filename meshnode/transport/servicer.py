@@ -244,7 +244,9 @@ class NodeServicer(pb_grpc.NodeServicer):
                 reader.cancel()  # its outcome is collected here either way
                 with contextlib.suppress(BaseException):
                     await reader
-            await self._end(session)
+            # grpc cancels this handler when the peer hangs up (initiators do, right after an
+            # error reply); a clean-up cut short would leak the KV slot: let it run to its end
+            await asyncio.shield(self._end(session))
 
     async def _read_ahead(self, context: Any, session: HopSession, queue: asyncio.Queue[pb.SessionFrame | None],
                           writer: _Writer, ctl: _Control) -> None:
