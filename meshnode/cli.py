@@ -141,8 +141,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     if ns.max_tokens < 1:
         raise errors.InputError("--max-tokens must be at least 1")
-    if ns.temperature < 0:
-        raise errors.InputError("--temperature must be >= 0")
+    if not ns.temperature >= 0 or ns.temperature == float("inf"):  # NaN fails the first test
+        raise errors.InputError(f"--temperature must be a finite number >= 0, not {ns.temperature}")
     if ns.rejoin_wait < 0:
         raise errors.InputError("--rejoin-wait must be >= 0")
     cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,

@@ -8,7 +8,8 @@ the end of its fixture's scope.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,62 @@ def open_frame(sid: str, cap: Any, ident: Any = None, *, epoch: int = 1, now: in
         schema_version=SCHEMA_VERSION, route_session_id=sid, route_epoch=epoch,
         model_fingerprint=cap.model_fingerprint, range=cap.range, numerics=cap.numerics, limits=cap.limits,
         signed_open=signed))
+
+
+def step_frame(sid: str, step_id: int, x: np.ndarray, n_past: int, *, epoch: int = 1, work: str = "",
+               sample: bool = False) -> Any:
+    """A Step carrying residual rows ``x`` at positions ``n_past``.., expecting ``n_past`` cached."""
+    from meshnode.proto import node_pb2 as pb
+    from meshnode.wire.tensors import encode_bundle
+
+    return pb.SessionFrame(route_session_id=sid, route_epoch=epoch, step=pb.Step(
+        step_id=step_id, work_id=work, activation=encode_bundle(x, pos_start=n_past), sample=sample,
+        cache=pb.CacheExpectation(n_past=n_past)))
+
+
+@dataclass
+class Initiator:
+    """A ``meshnode generate`` child process and what it printed so far."""
+
+    proc: Any  # trio.Process
+    stdout: bytearray
+    stderr: bytearray
+
+    def text(self) -> str:
+        return self.stderr.decode(errors="replace")
+
+
+@asynccontextmanager
+async def initiator(cmd: list[str], *, timeout: float,
+                    on_line: Callable[[bytes], None] | None = None) -> AsyncIterator[Initiator]:
+    """Run ``cmd`` while the body acts on the nodes; both pipes are read all along (``on_line`` sees
+    each stdout line as it arrives). On leaving, waits for the process; killed if anything failed;
+    all of it bounded by ``timeout``."""
+    import subprocess
+
+    import trio
+
+    async def pump(stream: Any, into: bytearray, lines: Callable[[bytes], None] | None) -> None:
+        start = 0
+        while chunk := await stream.receive_some():
+            into.extend(chunk)
+            while lines is not None and (end := into.find(b"\n", start)) >= 0:
+                lines(bytes(into[start:end]))
+                start = end + 1
+
+    with trio.fail_after(timeout):
+        proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        run = Initiator(proc, bytearray(), bytearray())
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump, proc.stdout, run.stdout, on_line)
+                nursery.start_soon(pump, proc.stderr, run.stderr, None)
+                yield run
+                await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
 
 def cli(*args: str, timeout: float = 300) -> Any:

@@ -19,13 +19,7 @@ from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, RouteSession, check_route
 from meshnode.transport.client import health
 from meshnode.wire.schema import SCHEMA_VERSION
-from meshnode.wire.tensors import encode_bundle
-from tests.conftest import aio, open_frame
-
-
-def _step(sid: str, step_id: int, x: np.ndarray, n_past: int) -> pb.SessionFrame:
-    return pb.SessionFrame(route_session_id=sid, route_epoch=1, step=pb.Step(
-        step_id=step_id, activation=encode_bundle(x, pos_start=n_past), cache=pb.CacheExpectation(n_past=n_past)))
+from tests.conftest import aio, open_frame, step_frame
 
 
 async def _steps_beyond_credits(endpoint: str) -> dict[str, object]:
@@ -42,12 +36,12 @@ async def _steps_beyond_credits(endpoint: str) -> dict[str, object]:
         seen["limits"] = (await call.read()).accepted.limits
         # a long prefill chunk keeps the hop busy while the next two steps arrive
         for sid_step, rows, pos in ((1, x[:256], 0), (2, x[256:257], 256), (3, x[257:258], 257)):
-            await call.write(_step(sid, sid_step, rows, pos))
+            await call.write(step_frame(sid, sid_step, rows, pos))
         replies = [await call.read() for _ in range(3)]
         seen["errors"] = [(r.error.step_id, pb.ErrorCode.Name(r.error.code), r.error.terminal)
                           for r in replies if r.HasField("error")]
         seen["results"] = sorted(r.result.step_id for r in replies if r.HasField("result"))
-        await call.write(_step(sid, 3, x[257:258], 257))  # results came back: credits are free again
+        await call.write(step_frame(sid, 3, x[257:258], 257))  # results came back: credits are free again
         seen["retry"] = await call.read()
         await call.write(pb.SessionFrame(route_session_id=sid, route_epoch=1, release=pb.ReleaseSignal()))
         seen["released"] = (await call.read()).released

@@ -31,7 +31,7 @@ import trio_asyncio
 from meshnode.launch import NodeProcess, start_node
 from meshnode.proto import node_pb2 as pb
 from meshnode.transport.client import health
-from tests.conftest import PROMPT, Reference, llama_reference
+from tests.conftest import PROMPT, Reference, initiator, llama_reference
 from tests.test_tracker import _start_tracker, _stop
 
 #: tokens of the generation that is live when the SIGTERM comes: ~10 s of decode here
@@ -133,42 +133,23 @@ async def test_sigterm_lets_the_live_session_finish_then_a_restart_rejoins(
     # hop's KV slot (a race in the servicer's clean-up, reported), which is not what this test is about
     probe_route = [gone, other] if victim == 0 else [await trio.to_thread.run_sync(bystander, LAYERS[0]), gone]
     async with trio_asyncio.open_loop():
-        with trio.fail_after(240):
-            proc = await trio.lowlevel.open_process(
-                _generate(*_peers(nodes), "--prompt", PROMPT, "--max-tokens", str(LONG)),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            try:
-                async with trio.open_nursery() as nursery:
-                    out: dict[str, bytes] = {}
-
-                    async def drain_pipe(name: str, stream: Any) -> None:
-                        data = b""
-                        while chunk := await stream.receive_some():
-                            data += chunk
-                        out[name] = data
-
-                    nursery.start_soon(drain_pipe, "stdout", proc.stdout)
-                    nursery.start_soon(drain_pipe, "stderr", proc.stderr)
-                    # mid-generation: the victim holds the session's KV
-                    await _wait_health(gone.endpoint, lambda h: h.live_sessions == 1, 60, proc)
-                    gone.proc.send_signal(signal.SIGTERM)
-                    h = await _wait_health(gone.endpoint, lambda h: not h.serving, 30)
-                    assert h.live_sessions == 1, "draining, the node keeps the live session"
-                    # a new session is refused at once, naming the draining node
-                    probe = await _run(_generate(*_peers(probe_route), "--prompt", "Hello", "--max-tokens", "4",
-                                                 "--rejoin-wait", "0"))
-                    assert probe.returncode == 1, probe.stdout
-                    assert b"meshnode: error: RESOURCE_EXHAUSTED" in probe.stderr, probe.stderr
-                    assert f"[hop {gone.endpoint}]".encode() in probe.stderr, probe.stderr
-                    assert proc.returncode is None, "the live generation ended before the probe was refused"
-                    await proc.wait()
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
+        cmd = _generate(*_peers(nodes), "--prompt", PROMPT, "--max-tokens", str(LONG))
+        async with initiator(cmd, timeout=240) as run:
+            # mid-generation: the victim holds the session's KV
+            await _wait_health(gone.endpoint, lambda h: h.live_sessions == 1, 60, run.proc)
+            gone.proc.send_signal(signal.SIGTERM)
+            h = await _wait_health(gone.endpoint, lambda h: not h.serving, 30)
+            assert h.live_sessions == 1, "draining, the node keeps the live session"
+            # a new session is refused at once, naming the draining node
+            probe = await _run(_generate(*_peers(probe_route), "--prompt", "Hello", "--max-tokens", "4",
+                                         "--rejoin-wait", "0"))
+            assert probe.returncode == 1, probe.stdout
+            assert b"meshnode: error: RESOURCE_EXHAUSTED" in probe.stderr, probe.stderr
+            assert f"[hop {gone.endpoint}]".encode() in probe.stderr, probe.stderr
+            assert run.proc.returncode is None, "the live generation ended before the probe was refused"
         # the live session finished, with every token right
-        assert proc.returncode == 0, out["stderr"].decode()
-        result = json.loads(out["stdout"])
+        assert run.proc.returncode == 0, run.text()
+        result = json.loads(run.stdout)
         assert result["tokens"] == long_reference.tokens
         assert result["failovers"] == []
         # the victim exits 0 once drained, having freed its KV
@@ -210,27 +191,13 @@ async def test_a_session_outliving_the_drain_timeout_is_cut_with_a_typed_error(
              for ly, st, t in zip(LAYERS, states, timeouts, strict=True)]
     gone = nodes[victim]
     async with trio_asyncio.open_loop():
-        with trio.fail_after(240):
-            # --rejoin-wait 0: no waiting for the cut hop to come back (there is no spare either)
-            proc = await trio.lowlevel.open_process(
-                _generate(*_peers(nodes), "--prompt", PROMPT, "--max-tokens", str(LONG), "--rejoin-wait", "0"),
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            try:
-                await _wait_health(gone.endpoint, lambda h: h.live_sessions == 1, 60, proc)
-                gone.proc.send_signal(signal.SIGTERM)
-                assert proc.stderr is not None
-                err = b""
-                while chunk := await proc.stderr.receive_some():
-                    err += chunk
-                await proc.wait()
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-                if proc.stderr is not None:
-                    await proc.stderr.aclose()
-        text = err.decode()
-        assert proc.returncode == 1, text
+        # --rejoin-wait 0: no waiting for the cut hop to come back (there is no spare either)
+        cmd = _generate(*_peers(nodes), "--prompt", PROMPT, "--max-tokens", str(LONG), "--rejoin-wait", "0")
+        async with initiator(cmd, timeout=240) as run:
+            await _wait_health(gone.endpoint, lambda h: h.live_sessions == 1, 60, run.proc)
+            gone.proc.send_signal(signal.SIGTERM)
+        text = run.text()
+        assert run.proc.returncode == 1, text
         assert "meshnode: error: PEER_UNAVAILABLE" in text
         assert f"[hop {gone.endpoint}]" in text
         assert await trio.to_thread.run_sync(lambda: gone.proc.wait(30)) == 0

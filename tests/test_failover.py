@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -18,8 +17,8 @@ import trio
 
 from meshnode import errors
 from meshnode.routing.choose import Candidate
-from meshnode.routing.failover import Backoff, can_fail_over, replacement
-from tests.conftest import PROMPT, llama_reference
+from meshnode.routing.failover import Backoff, can_fail_over, replacement, replay_depths, spare_candidates
+from tests.conftest import PROMPT, initiator, llama_reference
 
 N_TOKENS = 48
 KILL_AFTER = 4
@@ -36,6 +35,21 @@ def test_replacement_covers_exactly_the_failed_span_and_avoids_backed_off_peers(
     assert [c.endpoint for c in replacement((7, 19), spares, frozenset({"a"}))] == ["b", "c"]
     with pytest.raises(errors.RouteError, match="no other peer can take over layers 7:19"):
         replacement((7, 19), spares, frozenset({"a", "c"}))
+
+
+def test_spares_are_the_known_peers_off_the_route() -> None:
+    known = [_cand("t2", 15, 30), _cand("h", 0, 15), _cand("t", 15, 30), _cand("h2", 0, 15)]
+    assert [c.endpoint for c in spare_candidates(known, ["h", "t"])] == ["h2", "t2"]
+    # after t2 took over from t, t (it may come back) is a spare and t2 is not
+    assert [c.endpoint for c in spare_candidates(known, ["h", "t2"])] == ["h2", "t"]
+
+
+def test_a_replay_reaches_only_as_far_as_the_last_hop_lacking_its_positions() -> None:
+    chunks = [5, 1, 1, 1]  # a 5-token prompt, then three decode steps: positions 0..7
+    assert replay_depths(chunks, [0, 8, 8]) == [1, 1, 1, 1]  # a new head: no hop after it lacks anything
+    assert replay_depths(chunks, [8, 8, 0]) == [3, 3, 3, 3]  # a new tail: every chunk goes all the way
+    assert replay_depths(chunks, [8, 6, 8]) == [0, 0, 2, 2]  # a middle behind by two positions
+    assert replay_depths(chunks, [8, 8, 8]) == [0, 0, 0, 0]  # nothing to replay
 
 
 def test_backoff_grows_and_expires() -> None:
@@ -67,35 +81,16 @@ def reference48(model):
 async def _generate_and_kill(cmd: list[str], victim) -> tuple[list[dict], str]:
     """Run the initiator; SIGKILL ``victim`` once KILL_AFTER tokens have streamed. Returns (JSON lines, stderr)."""
     lines: list[dict] = []
-    with trio.fail_after(120):
-        proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert proc.stdout is not None
-        assert proc.stderr is not None
-        err = bytearray()
 
-        async def drain_stderr() -> None:
-            assert proc.stderr is not None
-            while chunk := await proc.stderr.receive_some():
-                err.extend(chunk)
+    def on_line(line: bytes) -> None:
+        lines.append(json.loads(line))
+        if len(lines) == KILL_AFTER:
+            victim.proc.send_signal(signal.SIGKILL)
 
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(drain_stderr)
-                buf = b""
-                while chunk := await proc.stdout.receive_some():
-                    buf += chunk
-                    while b"\n" in buf:
-                        line, buf = buf.split(b"\n", 1)
-                        lines.append(json.loads(line))
-                        if len(lines) == KILL_AFTER:
-                            victim.proc.send_signal(signal.SIGKILL)
-                await proc.wait()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-    assert proc.returncode == 0, err.decode()
-    return lines, err.decode()
+    async with initiator(cmd, timeout=120, on_line=on_line) as run:
+        pass
+    assert run.proc.returncode == 0, run.text()
+    return lines, run.text()
 
 
 @pytest.mark.parametrize(("victim", "spare_layers"), [

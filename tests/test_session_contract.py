@@ -13,14 +13,7 @@ from meshnode.identity.routeauth import sign_control
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.wire.schema import SCHEMA_VERSION
-from meshnode.wire.tensors import encode_bundle
-from tests.conftest import aio, open_frame
-
-
-def _step(sid: str, step_id: int, x: np.ndarray, n_past: int, *, epoch: int = 1, work: str = "") -> pb.SessionFrame:
-    return pb.SessionFrame(route_session_id=sid, route_epoch=epoch, step=pb.Step(
-        step_id=step_id, work_id=work, activation=encode_bundle(x, pos_start=n_past), sample=True,
-        cache=pb.CacheExpectation(n_past=n_past)))
+from tests.conftest import aio, open_frame, step_frame
 
 
 async def _contract(endpoint: str) -> dict[str, object]:
@@ -37,18 +30,18 @@ async def _contract(endpoint: str) -> dict[str, object]:
         await call.write(open_frame(sid, cap, me))
         seen["accepted"] = (await call.read()).accepted
         seen["live_during"] = (await stub.Health(pb.HealthRequest())).live_sessions - health0.live_sessions
-        await call.write(_step(sid, 1, x, 0))
+        await call.write(step_frame(sid, 1, x, 0, sample=True))
         first = (await call.read()).result
-        await call.write(_step(sid, 1, x, 0))  # the same step again: acknowledged, not re-run
+        await call.write(step_frame(sid, 1, x, 0, sample=True))  # the same step again: acknowledged, not re-run
         seen["dup"] = (await call.read()).result
         seen["first"] = first
-        await call.write(_step(sid, 2, x[:1], 2, epoch=7))
+        await call.write(step_frame(sid, 2, x[:1], 2, epoch=7, sample=True))
         seen["stale"] = (await call.read()).error
         await call.write(pb.SessionFrame(route_session_id=sid, route_epoch=1, cancel=pb.CancelSignal(work_id="w3")))
         seen["cancel_ack"] = (await call.read()).error
-        await call.write(_step(sid, 3, x[:1], 2, work="w3"))
+        await call.write(step_frame(sid, 3, x[:1], 2, work="w3", sample=True))
         seen["cancelled_item"] = (await call.read()).error
-        await call.write(_step(sid, 4, x[:1], 2))
+        await call.write(step_frame(sid, 4, x[:1], 2, sample=True))
         seen["after"] = (await call.read()).result
         # only the session's initiator may end it out of band
         for who, order in (("unsigned", pb.SignedEnvelope()),
@@ -59,7 +52,7 @@ async def _contract(endpoint: str) -> dict[str, object]:
                 seen[f"release_by_{who}"] = "ALLOWED"
             except grpc.aio.AioRpcError as e:
                 seen[f"release_by_{who}"] = e.code().name
-        await call.write(_step(sid, 5, x[:1], 3))
+        await call.write(step_frame(sid, 5, x[:1], 3, sample=True))
         seen["still_serving"] = (await call.read()).result
         release = sign_control(me, sid, "release", now=now)
         seen["released_oob"] = (await stub.Release(pb.ReleaseRequest(route_session_id=sid, auth=release))).released
@@ -130,11 +123,11 @@ async def _deadlines(endpoint: str) -> dict[str, object]:
         call = stub.Session()
         await call.write(open_frame(sid, cap, me))
         await call.read()
-        step = _step(sid, 1, x, 0)
+        step = step_frame(sid, 1, x, 0, sample=True)
         step.step.deadline_unix_nanos = time.time_ns() - 1_000_000
         await call.write(step)
         seen["late_step"] = (await call.read()).error
-        await call.write(_step(sid, 2, x, 0))  # the late step ran nothing: position 0 is still free
+        await call.write(step_frame(sid, 2, x, 0, sample=True))  # the late step ran nothing: position 0 is still free
         seen["next"] = (await call.read()).result
         await call.write(pb.SessionFrame(route_session_id=sid, route_epoch=1, release=pb.ReleaseSignal()))
         await call.read()

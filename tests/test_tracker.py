@@ -234,3 +234,35 @@ def test_the_status_page_in_a_real_browser(tracker, node_factory, tmp_path):
     assert shot.stat().st_size > 10_000
     if os.environ.get("MESHNODE_TRACKER_SCREENSHOT"):  # docs/tracker.md: how docs/tracker.png is made
         shutil.copyfile(shot, os.environ["MESHNODE_TRACKER_SCREENSHOT"])
+
+
+@pytest.mark.parametrize(("body", "found"), [
+    (b"<html>not json</html>", None),
+    (b'{"nodes": "all of them"}', None),
+    (b'{"nodes": [{"envelope": "%%%"}, {"envelope": "AAAA"}, {"no": "envelope"}, 7]}', 0),
+    (b'{"nodes": [{"envelope": "GOOD"}, {"envelope": "AAAA"}]}', 1),
+])
+async def test_a_garbled_tracker_answer_is_a_typed_error_and_bad_entries_are_skipped(body, found):
+    import base64
+
+    import trio
+
+    from meshnode.discovery.tracker_client import lookup
+    from meshnode.httpmini import Request, Response, serve_http
+
+    good = advertise(me := NodeIdentity.generate(), _cap(me), pb.HealthReply(), seq=1, now=int(time.time()))
+    payload = body.replace(b"GOOD", base64.b64encode(good.SerializeToString()))
+
+    async def handler(req: Request) -> Response:
+        return Response(200, payload)
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, handler, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        if found is None:
+            with pytest.raises(errors.PeerError, match="not meshnode's JSON"):
+                await lookup(url, FP)
+        else:
+            peers = await lookup(url, FP)
+            assert [p.node_id for p in peers] == ([me.node_id] if found else [])
+        nursery.cancel_scope.cancel()

@@ -17,6 +17,7 @@ import urllib.parse
 from collections.abc import Callable
 
 import trio
+from google.protobuf.message import DecodeError
 
 from meshnode import errors
 from meshnode.discovery.table import PeerEntry
@@ -70,12 +71,21 @@ async def lookup(url: str, query: str) -> list[PeerEntry]:
         raise errors.PeerError(f"tracker lookup failed with HTTP {status}", hop=url)
     out = []
     now = int(time.time())
-    for node in json.loads(body).get("nodes", []):
-        env = pb.SignedEnvelope.FromString(base64.b64decode(node["envelope"]))
+    try:
+        nodes = json.loads(body)["nodes"]
+        if not isinstance(nodes, list):
+            raise TypeError("'nodes' is not a list")
+    except (ValueError, KeyError, TypeError) as e:
+        raise errors.PeerError(f"the tracker's lookup answer is not meshnode's JSON: {e!r}", hop=url) from None
+    for node in nodes:
         try:
+            env = pb.SignedEnvelope.FromString(base64.b64decode(node["envelope"], validate=True))
             ad = verify_advert(env, now=now, last_seq=None)
         except errors.MeshnodeError as e:
             log.warning("ignoring a tracker entry: %s", e)
+            continue
+        except (ValueError, KeyError, TypeError, DecodeError) as e:  # binascii.Error is a ValueError
+            log.warning("ignoring a malformed tracker entry: %r", e)
             continue
         cap = ad.capability
         if not cap.endpoints:

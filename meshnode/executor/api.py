@@ -152,8 +152,10 @@ class RangeExecutor:
             stale = [j for j in self._queue if j.chunk.seq == slot]
             self._queue = [j for j in self._queue if j.chunk.seq != slot]
         for job in stale:
-            job.future.set_exception(CancelledError(f"the session of slot {slot} was released"))
-        await asyncio.wrap_future(self._pool.submit(self._release, slot))
+            if job.future.set_running_or_notify_cancel():  # False: its waiter is gone already
+                job.future.set_exception(CancelledError(f"the session of slot {slot} was released"))
+        # shielded: wrap_future would cancel the queued release along with this wait
+        await asyncio.shield(asyncio.wrap_future(self._pool.submit(self._release, slot)))
 
     def _release(self, slot: int) -> None:
         """On the worker, after every batch that was already running."""
@@ -188,11 +190,28 @@ class RangeExecutor:
 
     def _drain(self) -> None:
         """On the worker: run one batch of what is queued, then come back for the rest."""
-        with self._lock:
-            idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch)
-            jobs = [self._queue[i] for i in idx]
-            for i in sorted(idx, reverse=True):
-                del self._queue[i]
+        try:
+            with self._lock:
+                # a chunk whose waiter was cancelled before it started never runs (its future
+                # is cancelled and could take no result)
+                self._queue = [j for j in self._queue if not j.future.cancelled()]
+                idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch)
+                picked = [self._queue[i] for i in idx]
+                for i in sorted(idx, reverse=True):
+                    del self._queue[i]
+                # running from here: a waiter cancelled now no longer cancels the future, the
+                # chunk runs to completion and its result is dropped (docstring above)
+                jobs = [j for j in picked if j.future.set_running_or_notify_cancel()]
+            if jobs:
+                self._run(jobs)
+        finally:  # whatever happened, the queue keeps draining
+            with self._lock:
+                if self._queue:
+                    self._pool.submit(self._drain)
+                else:
+                    self._draining = False
+
+    def _run(self, jobs: list[_Job]) -> None:
         try:
             t0 = time.perf_counter_ns()
             outs = self._range.forward_many([j.chunk for j in jobs])
@@ -206,11 +225,6 @@ class RangeExecutor:
                 job.future.set_exception(out)
             else:
                 job.future.set_result(Timed(out, took, len(jobs)))
-        with self._lock:
-            if self._queue:
-                self._pool.submit(self._drain)
-            else:
-                self._draining = False
 
     @staticmethod
     def _rows(c: Chunk) -> int:

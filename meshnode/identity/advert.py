@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshnode import errors
-from meshnode.identity.attest import CLOCK_SKEW, open_envelope, seal, verify_attestation
+from meshnode.identity.attest import CLOCK_SKEW, open_signed, seal, verify_attestation
 from meshnode.identity.keys import NodeIdentity, node_id_of
 from meshnode.proto import node_pb2 as pb
 
@@ -18,7 +18,7 @@ def advertise(ident: NodeIdentity, cap: pb.Capability, health: pb.HealthReply, *
 
 def verify_advert(env: pb.SignedEnvelope, *, now: int, last_seq: int | None) -> pb.Advertisement:
     """The advertisement if it is genuine, fresh, newer than ``last_seq``, and its attestation holds."""
-    ad = pb.Advertisement.FromString(open_envelope(env, ADVERT_TYPE))
+    ad = open_signed(env, ADVERT_TYPE, pb.Advertisement)
     cap = ad.capability
     if cap.node_id != node_id_of(env.signer_public_key):
         raise errors.SignatureError("advertisement names a node other than its signer")

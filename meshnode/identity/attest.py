@@ -9,6 +9,10 @@ range digest than the capability it came with.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
 from meshnode import errors
 from meshnode.identity.keys import NodeIdentity, node_id_of, verify_signature
 from meshnode.proto import node_pb2 as pb
@@ -42,6 +46,19 @@ def open_envelope(env: pb.SignedEnvelope, payload_type: str) -> bytes:
     return env.payload
 
 
+M = TypeVar("M", bound=Message)
+
+
+def open_signed(env: pb.SignedEnvelope, payload_type: str, kind: type[M]) -> M:
+    """The payload parsed as ``kind``, once the signature holds; SignatureError for a bad signature
+    or a signed payload that does not parse (signed garbage is refused, never raised as DecodeError)."""
+    payload = open_envelope(env, payload_type)
+    try:
+        return kind.FromString(payload)
+    except DecodeError as e:
+        raise errors.SignatureError(f"the signed {payload_type} does not parse: {e}") from None
+
+
 def attest(ident: NodeIdentity, *, fingerprint: str, start: int, end: int, range_digest: str,
            llama_build: str, now: int, ttl: int = DEFAULT_TTL) -> pb.SignedEnvelope:
     a = pb.Attestation(node_id=ident.node_id, model_fingerprint=fingerprint,
@@ -54,13 +71,7 @@ def verify_attestation(env: pb.SignedEnvelope, *, now: int, fingerprint: str | N
                        start: int | None = None, end: int | None = None, range_digest: str | None = None,
                        node_id: str | None = None) -> pb.Attestation:
     """The attestation in ``env`` if it is genuine, current, and says what is expected."""
-    a = pb.Attestation()
-    try:
-        a.ParseFromString(open_envelope(env, ATTESTATION_TYPE))
-    except errors.MeshnodeError:
-        raise
-    except Exception as e:  # protobuf's DecodeError
-        raise errors.SignatureError(f"attestation payload does not parse: {e}") from e
+    a = open_signed(env, ATTESTATION_TYPE, pb.Attestation)
     if a.node_id != node_id_of(env.signer_public_key):
         raise errors.SignatureError(f"attestation names node {a.node_id}, but was signed by another key")
     if now + CLOCK_SKEW < a.issued_at_unix:

@@ -23,7 +23,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from meshnode import errors
-from meshnode.identity.attest import CLOCK_SKEW, open_envelope, seal
+from meshnode.identity.attest import CLOCK_SKEW, open_signed, seal
 from meshnode.identity.keys import NodeIdentity, node_id_of
 from meshnode.proto import node_pb2 as pb
 
@@ -71,10 +71,9 @@ def forward_proof(ident: NodeIdentity, route_open: pb.RouteOpen) -> pb.SignedEnv
 
 def parse_open(env: pb.SignedEnvelope) -> pb.RouteOpen:
     try:
-        payload = open_envelope(env, OPEN_TYPE)
+        o = open_signed(env, OPEN_TYPE, pb.RouteOpen)
     except errors.SignatureError as e:
         raise errors.OpenForgedError(f"route open: {e.message}") from e
-    o = pb.RouteOpen.FromString(payload)
     if o.initiator_node_id != node_id_of(env.signer_public_key):
         raise errors.OpenForgedError("route open names an initiator other than its signer")
     return o
@@ -121,7 +120,7 @@ def _check_forwarder(msg: pb.SessionOpen, o: pb.RouteOpen) -> None:
     if env.signer_public_key != o.prev_public_key:
         raise errors.OpenUnauthenticatedError(f"the stream is signed by someone other than {o.prev_node_id}")
     try:
-        f = pb.RouteForward.FromString(open_envelope(env, FORWARD_TYPE))
+        f = open_signed(env, FORWARD_TYPE, pb.RouteForward)
     except errors.SignatureError as e:
         raise errors.OpenUnauthenticatedError(f"forwarder proof: {e.message}") from e
     if f.nonce != o.nonce or f.route_session_id != o.route_session_id or f.forwarder_node_id != o.prev_node_id:
@@ -142,8 +141,8 @@ def check_acceptances(acceptances: list[pb.SignedEnvelope], opens: list[pb.Signe
     for env, sent, hop in zip(acceptances, opens, hops, strict=True):
         if env.signer_public_key != hop.public_key:
             raise errors.SignatureError(f"acceptance of {hop.node_id} is signed by another key")
-        a = pb.RouteAccept.FromString(open_envelope(env, ACCEPT_TYPE))
-        o = pb.RouteOpen.FromString(sent.payload)
+        a = open_signed(env, ACCEPT_TYPE, pb.RouteAccept)
+        o = pb.RouteOpen.FromString(sent.payload)  # the initiator's own, signed by it
         if a.nonce != o.nonce or a.hop_node_id != hop.node_id or a.route_session_id != o.route_session_id:
             raise errors.OpenMismatchError(f"{hop.node_id} accepted something other than its open")
 
@@ -160,7 +159,7 @@ def sign_control(ident: NodeIdentity, session_id: str, action: str, *, work_id: 
 def check_control(env: pb.SignedEnvelope, *, session_id: str, action: str, work_id: str, now: int) -> str:
     """The signer's node id, if ``env`` is a fresh order for exactly this action."""
     try:
-        order = pb.ControlOrder.FromString(open_envelope(env, CONTROL_TYPE))
+        order = open_signed(env, CONTROL_TYPE, pb.ControlOrder)
     except errors.SignatureError as e:
         raise errors.OpenForgedError(f"control order: {e.message}") from e
     if (order.route_session_id, order.action, order.work_id) != (session_id, action, work_id):

@@ -1180,6 +1180,7 @@ class Step(_message.Message):
     SAMPLE_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
+    REPLAY_HOPS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """idempotency key: strictly increasing per session"""
     work_id: _builtins.str
@@ -1193,6 +1194,11 @@ class Step(_message.Message):
     original chunking. A hop that already holds these positions passes its
     stored output on (the tail just acknowledges); a hop that does not computes
     them. Never samples.
+    """
+    replay_hops: _builtins.int
+    """For a replay step: how many hops, counting the receiver, must see it (0 =
+    every hop). The last of them answers without forwarding: hops past the
+    last one lacking these positions are spared a round trip.
     """
     @_builtins.property
     def cache(self) -> Global___CacheExpectation:
@@ -1217,10 +1223,11 @@ class Step(_message.Message):
         sample: _builtins.bool = ...,
         deadline_unix_nanos: _builtins.int = ...,
         replay: _builtins.bool = ...,
+        replay_hops: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache", "deadline_unix_nanos", b"deadline_unix_nanos", "replay", b"replay", "sample", b"sample", "step_id", b"step_id", "tokens", b"tokens", "work_id", b"work_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache", "deadline_unix_nanos", b"deadline_unix_nanos", "replay", b"replay", "replay_hops", b"replay_hops", "sample", b"sample", "step_id", b"step_id", "tokens", b"tokens", "work_id", b"work_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

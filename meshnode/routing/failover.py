@@ -8,7 +8,7 @@ not chosen again at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meshnode import errors
@@ -46,6 +46,14 @@ def can_fail_over(e: errors.MeshnodeError, route: Sequence[str]) -> bool:
     return e.code in FAILOVER_CODES and e.hop in route
 
 
+def spare_candidates(known: Iterable[Candidate], route: Collection[str]) -> list[Candidate]:
+    """The peers that may take over a span: every known peer of the model that is not on the route now.
+
+    A peer that failed stays known (it may be restarted); ``Backoff`` keeps it out for a while.
+    """
+    return sorted((c for c in known if c.endpoint not in route), key=lambda c: c.endpoint)
+
+
 def replacement(span: tuple[int, int], spares: Sequence[Candidate], avoid: frozenset[str]) -> list[Candidate]:
     """The chain of spares that serves exactly the layers [a, b) of a failed hop.
 
@@ -57,3 +65,15 @@ def replacement(span: tuple[int, int], spares: Sequence[Candidate], avoid: froze
         return choose_route(usable, b, start=a)
     except errors.RouteError as e:
         raise errors.RouteError(f"no other peer can take over layers {a}:{b}: {e.message}") from None
+
+
+def replay_depths(chunks: Sequence[int], cached: Sequence[int]) -> list[int]:
+    """For each chunk of a session's history (lengths, in order): how many hops from the head a replay
+    of it must reach, i.e. 1 + the index of the last hop that lacks its positions (0: no hop does,
+    skip it). ``cached[j]``: the positions hop j holds after the resume."""
+    out, pos = [], 0
+    for n in chunks:
+        lacking = [j for j, held in enumerate(cached) if held < pos + n]
+        out.append(lacking[-1] + 1 if lacking else 0)
+        pos += n
+    return out

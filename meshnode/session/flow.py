@@ -63,3 +63,8 @@ class Flow:
         if self.credits:
             self.window -= 1
         return True
+
+    def refund(self) -> None:
+        """The step a credit was taken for failed: no result went out, the credit comes back."""
+        if self.credits:
+            self.window += 1

@@ -35,14 +35,14 @@ import numpy as np
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
 from meshnode.identity import NodeIdentity
-from meshnode.identity.routeauth import accept, check_open, forward_proof
+from meshnode.identity.routeauth import accept, check_open, forward_proof, parse_open
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.flow import Flow
-from meshnode.session.sampling import sample
+from meshnode.session.sampling import check_sampling, sample
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
-from meshnode.wire.tensors import decode_bundle, encode_bundle
+from meshnode.wire.tensors import NP_DTYPES, decode_bundle, encode_bundle
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ class HopLimits:
     step_timeout: float = 30.0
     #: seconds a broken session's KV state is kept for a resume (failover)
     detach_grace: float = 30.0
+    #: seconds an open waits for a slot when all are taken (one may be freeing: its peer just hung up)
+    admission_wait: float = 1.0
 
 
 def negotiate(a: pb.FlowLimits, b: pb.FlowLimits) -> pb.FlowLimits:
@@ -102,6 +104,13 @@ class Downstream:
         await self.channel.close(grace=None)
 
 
+UINT64 = 2**64 - 1
+#: seconds a hop waits for the next hop to confirm the release of a session it ends
+RELEASE_TIMEOUT = 2.0
+#: the longest deadline a Generate may give each of its steps
+MAX_STEP_TIMEOUT_NS = 3600 * 10**9
+
+
 @dataclass
 class HopSession:
     executor: RangeExecutor
@@ -121,6 +130,8 @@ class HopSession:
     last_result: pb.StepResult | None = None
     cancelled_work: set[str] = field(default_factory=set)
     route_open: pb.RouteOpen = field(default_factory=pb.RouteOpen)
+    #: a release or whole-session cancel went downstream (the hops after this one end it too)
+    downstream_told: bool = False
     #: non-tail: this hop's output rows per chunk, by first position (for replay)
     history: dict[int, np.ndarray] = field(default_factory=dict)
     #: set once the stream handling this session has ended
@@ -152,6 +163,9 @@ class HopSession:
             )
         if o.HasField("numerics") and codec.numerics_key(o.numerics) != codec.numerics_key(cap.numerics):
             raise errors.RouteError(f"numerics {o.numerics} differ from this node's {cap.numerics}")
+        check_sampling(temperature=o.sampling.temperature, top_p=o.sampling.top_p)
+        if o.wire_dtype not in NP_DTYPES and o.wire_dtype != pb.DTYPE_UNSPECIFIED:
+            raise errors.ShapeError(f"wire dtype {o.wire_dtype} is not DTYPE_F32 or DTYPE_F16")
         if bool(o.downstream) == (cap.range.end == cap.n_layer):
             raise errors.RouteError("a tail has no downstream hop and every other hop has one")
         self.route_open = check_open(o, own_node_id=self.ident.node_id, fingerprint=cap.model_fingerprint,
@@ -197,6 +211,9 @@ class HopSession:
 
     async def _open_downstream(self, o: pb.SessionOpen) -> pb.SessionAccepted:
         nxt = o.downstream[0]
+        nxt_open = parse_open(nxt.signed_open)  # the next hop checks it in full; this one needs it whole
+        if nxt_open.initiator_node_id != self.route_open.initiator_node_id:
+            raise errors.OpenForgedError("the next hop's open is signed by another initiator")
         channel = grpc.aio.insecure_channel(nxt.endpoint, options=channel_options())
         call = pb_grpc.NodeStub(channel).Session()
         self.downstream = Downstream(channel, call, nxt.endpoint)
@@ -207,7 +224,7 @@ class HopSession:
         fwd.downstream.extend(o.downstream[1:])
         fwd.limits.CopyFrom(self.negotiated)
         fwd.signed_open.CopyFrom(nxt.signed_open)
-        fwd.forwarder_proof.CopyFrom(forward_proof(self.ident, pb.RouteOpen.FromString(nxt.signed_open.payload)))
+        fwd.forwarder_proof.CopyFrom(forward_proof(self.ident, nxt_open))
         frame = pb.SessionFrame(route_session_id=o.route_session_id, route_epoch=o.route_epoch, open=fwd)
         timeout = codec.seconds_left(o.deadline_unix_nanos) or self.limits.step_timeout
         reply = await self.downstream.exchange(frame, timeout)
@@ -318,10 +335,13 @@ class HopSession:
         assert self.downstream is not None
         assert self.open_msg is not None
         s = frame.step
+        if s.replay and s.replay_hops == 1:  # no hop further on lacks these positions
+            return pb.StepResult(step_id=s.step_id, timings=[timing])
         bundle = encode_bundle(residual, dtype=self.open_msg.wire_dtype or pb.DTYPE_F32, pos_start=n_past,
                                max_chunk_bytes=self.negotiated.max_chunk_bytes)
         fwd = pb.Step(step_id=s.step_id, work_id=s.work_id, cache=s.cache, activation=bundle,
-                      sample=s.sample and not s.replay, deadline_unix_nanos=s.deadline_unix_nanos, replay=s.replay)
+                      sample=s.sample and not s.replay, deadline_unix_nanos=s.deadline_unix_nanos, replay=s.replay,
+                      replay_hops=max(s.replay_hops - 1, 0))
         out = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd)
         reply = await self.downstream.exchange(out, left if left is not None else self.limits.step_timeout)
         if reply.HasField("error"):
@@ -347,15 +367,25 @@ class HopSession:
         g = frame.generate
         if not self.executor.takes_tokens:
             raise errors.SessionError("Generate goes to the head of a route")
+        if g.max_tokens < 1:
+            raise errors.InputError("a Generate must ask for at least one token (max_tokens >= 1)")
+        if g.first_step_id + g.max_tokens - 1 > UINT64:
+            raise errors.InputError(f"step ids {g.first_step_id}..+{g.max_tokens} do not fit a uint64 step id")
         token, n_past = g.token, g.n_past
-        timeout_ns = g.step_timeout_nanos or int(self.limits.step_timeout * 1e9)
+        # a step may take at most an hour: a larger timeout (up to 2**64 ns) is clamped, never overflows
+        timeout_ns = min(g.step_timeout_nanos or int(self.limits.step_timeout * 1e9), MAX_STEP_TIMEOUT_NS)
         for i in range(g.max_tokens):
             if flow is not None and not await flow.take(stop):
                 return  # cancelled or released while paused for credits
             step = pb.Step(step_id=g.first_step_id + i, work_id=g.work_id, tokens=[token], sample=True,
                            cache=pb.CacheExpectation(n_past=n_past), deadline_unix_nanos=codec.now_ns() + timeout_ns)
             frame_i = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=step)
-            reply = await self.step(frame_i)
+            try:
+                reply = await self.step(frame_i)
+            except BaseException:
+                if flow is not None:
+                    flow.refund()  # no result went out for it
+                raise
             result = reply.result
             result.last = result.end_of_generation or i == g.max_tokens - 1 or stop.is_set()
             await write(reply)
@@ -368,6 +398,9 @@ class HopSession:
     async def relay(self, frame: pb.SessionFrame) -> None:
         """Pass a control frame (credit, cancel, release) on downstream, best effort."""
         if self.downstream is not None:
+            kind = frame.WhichOneof("body")
+            if kind == "release" or (kind == "cancel" and not frame.cancel.work_id):
+                self.downstream_told = True
             with contextlib.suppress(errors.MeshnodeError):
                 await self.downstream.exchange(frame, self.limits.step_timeout)
 
@@ -377,9 +410,21 @@ class HopSession:
             down, self.downstream = self.downstream, None
             await down.close()
 
-    async def close(self) -> None:
-        """Free the KV slot and the downstream stream. Idempotent."""
+    async def close(self, *, end_downstream: bool = True) -> None:
+        """Free the KV slot and the downstream stream. Idempotent.
+
+        With ``end_downstream`` the session is over for good, so the hops after this one are told
+        (a release, best effort, bounded) unless a release or cancel already went down: merely
+        hanging up on them would leave them holding its KV detached, waiting for a resume that never
+        comes. Without it they only see the stream break (and keep the KV for a resume).
+        """
         self.history.clear()
+        if end_downstream and self.downstream is not None and not self.downstream_told:
+            self.downstream_told = True
+            with contextlib.suppress(errors.MeshnodeError):
+                await self.downstream.exchange(pb.SessionFrame(
+                    route_session_id=self.session_id, route_epoch=self.epoch, release=pb.ReleaseSignal()),
+                    min(self.limits.step_timeout, RELEASE_TIMEOUT))
         await self.detach()
         if self.slot is not None:
             slot, self.slot = self.slot, None

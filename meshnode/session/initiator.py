@@ -36,7 +36,7 @@ from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.routing.chain import PeerView, check_chain
 from meshnode.routing.choose import Candidate
-from meshnode.routing.failover import Backoff, can_fail_over, replacement
+from meshnode.routing.failover import Backoff, can_fail_over, replacement, replay_depths, spare_candidates
 from meshnode.transport.client import get_capability, open_channel, tokenize, translate
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
@@ -200,9 +200,10 @@ class RouteSession:
         self.history.append(list(tokens))
         return result
 
-    async def _step(self, tokens: Sequence[int], pos: int, *, sample: bool, replay: bool = False) -> pb.StepResult:
+    async def _step(self, tokens: Sequence[int], pos: int, *, sample: bool, replay: int = 0) -> pb.StepResult:
+        """One step; ``replay`` > 0: a replay that must reach that many hops."""
         self.step_id += 1
-        s = pb.Step(step_id=self.step_id, tokens=list(tokens), sample=sample, replay=replay,
+        s = pb.Step(step_id=self.step_id, tokens=list(tokens), sample=sample, replay=replay > 0, replay_hops=replay,
                     cache=pb.CacheExpectation(n_past=pos),
                     deadline_unix_nanos=codec.deadline_in(self.cfg.step_timeout))
         reply = await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, step=s))
@@ -225,11 +226,14 @@ class RouteSession:
         accepted = await self.open(resume=True)
         log.info("resumed route open in %.3fs; hops hold %s positions", time.perf_counter() - t0,
                  list(accepted.cached))
-        low = min(accepted.cached, default=0)
+        if len(accepted.cached) != len(self.peers):
+            raise errors.PeerError(f"the resumed open reports {len(accepted.cached)} hops' caches, "
+                                   f"not {len(self.peers)}", hop=self.peers[0])
         pos = replayed = 0
-        for chunk in self.history:
-            if pos + len(chunk) > low:
-                await self._step(chunk, pos, sample=False, replay=True)
+        for chunk, depth in zip(self.history, replay_depths([len(c) for c in self.history], accepted.cached),
+                                strict=True):
+            if depth:
+                await self._step(chunk, pos, sample=False, replay=depth)
                 replayed += len(chunk)
             pos += len(chunk)
         return replayed
@@ -329,7 +333,9 @@ class _Run:
 
     def __init__(self, rs: RouteSession, prompt: list[int], cfg: GenerateConfig,
                  spares: dict[str, pb.Capability], on_token: Callable[[int, bytes], None] | None) -> None:
-        self.rs, self.prompt, self.cfg, self.spares, self.on_token = rs, prompt, cfg, spares, on_token
+        self.rs, self.prompt, self.cfg, self.on_token = rs, prompt, cfg, on_token
+        #: every peer of the model seen so far, on the route or not (the spares are derived from it)
+        self.known: dict[str, pb.Capability] = {**spares, **dict(zip(rs.peers, rs.caps, strict=True))}
         chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
         self.chunks = [prompt[i : i + chunk] for i in range(0, len(prompt), chunk)]
         self.tokens: list[int] = []
@@ -421,12 +427,12 @@ class _Run:
         else:
             self.backoff.fail(e.hop, time.monotonic())
             log.warning("hop %s (layers %d:%d) failed: %s; re-routing that span", e.hop, *span, e)
-            cands = [Candidate(c.node_id, ep, c.range.start, c.range.end, c.throughput.decode_tokens_per_second,
-                               0.0, 1) for ep, c in sorted(self.spares.items()) if ep not in rs.peers]
+            known = [Candidate(c.node_id, ep, c.range.start, c.range.end, c.throughput.decode_tokens_per_second,
+                               0.0, 1) for ep, c in self.known.items()]
             try:
-                chain = replacement(span, cands, self.backoff.avoided(time.monotonic()))
+                chain = replacement(span, spare_candidates(known, rs.peers), self.backoff.avoided(time.monotonic()))
                 new = [c.endpoint for c in chain]
-                new_caps = [self.spares[p] for p in new]
+                new_caps = [self.known[p] for p in new]
             except errors.RouteError as why:
                 back = await self._comeback(e.hop, dead)
                 if back is None:
@@ -436,10 +442,7 @@ class _Run:
         peers = [*rs.peers[:idx], *new, *rs.peers[idx + 1 :]]
         caps = [*rs.caps[:idx], *new_caps, *rs.caps[idx + 1 :]]
         check_chain([peer_view(p, c) for p, c in zip(peers, caps, strict=True)])
-        self.spares.pop(e.hop, None)
-        self.spares.update({p: c for p, c in zip(rs.peers, rs.caps, strict=True) if p != e.hop})
-        for p in new:
-            self.spares.pop(p, None)
+        self.known.update(zip(new, new_caps, strict=True))  # a hop that came back may serve anew
         f = Failover(hop=e.hop, layers=f"{span[0]}:{span[1]}", error=str(e), replacement=new, replayed_positions=0,
                      recovery_seconds=0.0, detected_at=t0)
         self.failovers.append(f)

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import numpy.typing as npt
+
+from meshnode import errors
+
+
+def check_sampling(*, temperature: float, top_p: float) -> None:
+    """Refuse settings ``sample`` cannot honour (InputError): a temperature that is not a finite
+    number (<= 0 means greedy), a top_p outside [0, 1] (0 and 1 mean no nucleus cut)."""
+    if not math.isfinite(temperature):
+        raise errors.InputError(f"temperature {temperature} is not a finite number")
+    if not (math.isfinite(top_p) and 0.0 <= top_p <= 1.0):
+        raise errors.InputError(f"top_p {top_p} is not within [0, 1]")
 
 
 def greedy(logits: npt.NDArray[np.float32]) -> int:

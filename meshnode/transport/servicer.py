@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
@@ -61,6 +62,30 @@ class _Writer:
     async def error(self, session: HopSession, e: errors.MeshnodeError, *, terminal: bool | None = None) -> None:
         await self.write(pb.SessionReply(route_session_id=session.session_id,
                                          error=codec.error_to_pb(e, hop=session.endpoint, terminal=terminal)))
+
+
+#: seconds between looks for a freed slot while an open waits for one
+ADMISSION_POLL = 0.02
+
+
+async def _read(context: Any) -> Any:
+    """The next frame (or grpc.aio.EOF); WireError for bytes that do not parse as a SessionFrame
+    (grpc's deserializer raises protobuf's DecodeError out of ``read``)."""
+    try:
+        return await context.read()
+    except DecodeError as e:
+        raise errors.WireError(f"a message on this stream is not a SessionFrame ({e})") from None
+
+
+class _Before:
+    """A writer that runs ``hook`` once, before the first reply it writes."""
+
+    def __init__(self, writer: _Writer, hook: Callable[[], None]) -> None:
+        self._writer, self._hook = writer, hook
+
+    async def write(self, reply: pb.SessionReply) -> None:
+        self._hook()
+        await self._writer.write(reply)
 
 
 @dataclass
@@ -195,10 +220,20 @@ class NodeServicer(pb_grpc.NodeServicer):
         return self.detached.pop(sid, None)
 
     async def _make_room(self) -> None:
-        """No free slot: evict the oldest detached session rather than refuse a live open."""
-        if self.executor.free_slots == 0 and self.detached:
-            sid = min(self.detached, key=lambda k: self.detached[k].detached_at)
-            await self.detached.pop(sid).close()
+        """No free slot: evict the oldest detached session rather than refuse a live open; with none
+        detached, wait (up to ``admission_wait``) for a session that is ending to free its slot:
+        a stream whose peer just hung up frees it a moment later. Then the open may still be
+        refused (RESOURCE_EXHAUSTED), never queued for long."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.admission_wait
+        while self.executor.free_slots == 0:
+            if self.detached:
+                sid = min(self.detached, key=lambda k: self.detached[k].detached_at)
+                await self.detached.pop(sid).close()
+            elif loop.time() >= deadline:
+                return
+            else:
+                await asyncio.sleep(ADMISSION_POLL)
 
     async def _end(self, session: HopSession) -> None:
         """A stream is over: detach its session (if it may resume) or free it."""
@@ -211,8 +246,8 @@ class NodeServicer(pb_grpc.NodeServicer):
             self.detached[session.session_id] = session
             if stale is not None:
                 await stale.close()
-        else:
-            await session.close()
+        else:  # a broken stream on a draining node: the hops after it may still serve a resume
+            await session.close(end_downstream=not session.detachable)
         session.ended.set()
 
     # -- the session stream ---------------------------------------------------------
@@ -228,15 +263,23 @@ class NodeServicer(pb_grpc.NodeServicer):
         writer = _Writer(context, self.metrics)
         reader: asyncio.Task[None] | None = None
         try:
-            first = await context.read()
+            try:
+                first = await _read(context)
+            except errors.WireError as e:
+                await writer.write(pb.SessionReply(error=codec.error_to_pb(e, hop=self.endpoint, terminal=True)))
+                return
             if first is grpc.aio.EOF:
                 return
             if not await self._open(session, first, writer):
                 return
             ctl = _Control(Flow(session.negotiated.credits))
-            queue: asyncio.Queue[pb.SessionFrame | None] = asyncio.Queue()
+            queue: asyncio.Queue[pb.SessionFrame | errors.WireError | None] = asyncio.Queue()
             reader = asyncio.ensure_future(self._read_ahead(context, session, queue, writer, ctl))
             while (frame := await queue.get()) is not None:
+                if isinstance(frame, errors.WireError):  # answered in order, and the session is over
+                    session.detachable = False
+                    await writer.error(session, frame, terminal=True)
+                    return
                 if not await self._work(session, frame, writer, ctl):
                     return
         finally:
@@ -248,14 +291,30 @@ class NodeServicer(pb_grpc.NodeServicer):
             # error reply); a clean-up cut short would leak the KV slot: let it run to its end
             await asyncio.shield(self._end(session))
 
-    async def _read_ahead(self, context: Any, session: HopSession, queue: asyncio.Queue[pb.SessionFrame | None],
+    async def _read_ahead(self, context: Any, session: HopSession,
+                          queue: asyncio.Queue[pb.SessionFrame | errors.WireError | None],
                           writer: _Writer, ctl: _Control) -> None:
-        """Read frames as they come: credits and refusals act at once, the rest is queued in order."""
+        """Read frames as they come: credits and refusals act at once, the rest is queued in order.
+
+        Bytes that are not a SessionFrame end the reading: PAYLOAD_CORRUPT is queued (the stream's
+        framing can no longer be trusted) and a running Generate stops after its current step.
+        """
         try:
-            while (frame := await context.read()) is not grpc.aio.EOF:
+            while True:
+                try:
+                    frame = await _read(context)
+                except errors.WireError as e:
+                    ctl.stop.set()
+                    queue.put_nowait(e)
+                    return
+                if frame is grpc.aio.EOF:
+                    return
                 self.metrics.bytes_in.inc(frame.ByteSize())
                 kind = frame.WhichOneof("body")
                 try:
+                    if frame.route_epoch != session.epoch:  # every body, before it acts
+                        raise errors.EpochStaleError(
+                            f"route epoch {frame.route_epoch} is stale (session is at {session.epoch})")
                     if kind == "credit":
                         ctl.flow.grant(frame.credit.credits)
                         continue
@@ -280,24 +339,46 @@ class NodeServicer(pb_grpc.NodeServicer):
     async def _work(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
         """Execute one queued frame; False once the session is over."""
         kind = frame.WhichOneof("body")
+        # The state a frame holds is given back *before* its final answer is written: the peer
+        # may send the next step or Generate the moment it reads that answer, and the reader
+        # must not refuse it for credits or a Generate that are in fact over.
         if kind == "generate":
             try:
                 return await self._generate(session, frame, writer, ctl)
             finally:
                 ctl.generating, ctl.work_id = False, None
-        try:
+        if kind != "step":
             return await self._frame(session, frame, writer)
-        finally:
-            if kind == "step":
+        answered = False
+
+        def answer() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
                 ctl.flow.answered()
 
-    async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
         try:
-            await session.generate(frame, writer.write, ctl.stop, ctl.flow)
+            return await self._frame(session, frame, _Before(writer, answer))
+        finally:
+            answer()
+
+    async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
+        def over() -> None:
+            ctl.generating, ctl.work_id = False, None
+
+        async def write(reply: pb.SessionReply) -> None:
+            if reply.HasField("result") and reply.result.last:
+                over()
+            await writer.write(reply)
+
+        try:
+            await session.generate(frame, write, ctl.stop, ctl.flow)
         except errors.MeshnodeError as e:
+            over()
             await writer.error(session, e)
             return not codec.error_to_pb(e, hop=self.endpoint).terminal
         except Exception as e:
+            over()
             log.exception("internal error in session %s", session.session_id)
             session.detachable = False
             await writer.error(session, errors.MeshnodeError(f"internal error: {e!r}"), terminal=True)
@@ -348,7 +429,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         except errors.MeshnodeError:
             return True  # a forged open is refused anyway
 
-    async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
+    async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: _Writer | _Before) -> bool:
         """Answer one frame; False once the session is over."""
         sid = session.session_id
         kind = frame.WhichOneof("body")
@@ -368,7 +449,8 @@ class NodeServicer(pb_grpc.NodeServicer):
                     reply = pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
                         errors.CancelledError(f"work item {frame.cancel.work_id} cancelled"),
                         hop=self.endpoint, terminal=False))
-                else:
+                else:  # freed before the answer, as a release is: an initiator may hang up at once
+                    await session.close()
                     await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
                         errors.CancelledError("session cancelled"), hop=self.endpoint, terminal=True)))
                     return False

@@ -37,7 +37,10 @@ def encode_bundle(array: npt.NDArray[np.float32], *, dtype: int = pb.DTYPE_F32, 
     """A bundle of ``array`` (2-D), converted to ``dtype``, in fragments of <= max_chunk_bytes."""
     if array.ndim != 2:
         raise ShapeError(f"a bundle carries a 2-D tensor, not {array.ndim}-D")
-    payload = np.ascontiguousarray(array, dtype=NP_DTYPES[dtype]).tobytes()
+    np_dtype = NP_DTYPES.get(dtype)
+    if np_dtype is None:  # e.g. a SessionOpen.wire_dtype outside DType: a typed error, not a KeyError
+        raise ShapeError(f"dtype {dtype} is not a wire dtype (DTYPE_F32 or DTYPE_F16)")
+    payload = np.ascontiguousarray(array, dtype=np_dtype).tobytes()
     bundle = pb.TensorBundle(
         dtype=dtype,  # type: ignore[arg-type]
         shape=list(array.shape),
