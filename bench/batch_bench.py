@@ -27,13 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench._setup import model_and_cuts, print_header, thread_counts
 
 PROMPTS = [
     "The three primary colors are",
@@ -227,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     ap.add_argument("--whole-child", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
-    cpus = os.cpu_count() or 1
-    threads, threads_batch = ns.threads or max(cpus // 2, 1), ns.threads_batch or cpus
+    threads, threads_batch = thread_counts(ns)
     sessions = [int(x) for x in ns.sessions.split(",")]
     if max(sessions) > min(ns.max_sessions, len(PROMPTS)):
         ap.error(f"--sessions may not exceed --max-sessions ({ns.max_sessions}) or {len(PROMPTS)} prompts")
@@ -236,21 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(whole_child(ns.model, sessions, ns.tokens, threads, threads_batch, ns.max_sessions)))
         return 0
 
-    from meshnode.gguf import ensure_range, inspect_model
     from meshnode.launch import local_route
-    from meshnode.models import pull
 
-    model = Path(ns.model) if ns.model else pull()
-    n_layer = inspect_model(model).n_layer
-    cuts = ns.cuts.split(",") if ns.cuts else [f"0:{n_layer // 2}", f"{n_layer // 2}:{n_layer}"]
-    for c in cuts:
-        a, b = c.split(":")
-        ensure_range(model, int(a), int(b))
+    model, n_layer, cuts = model_and_cuts(ns)
     extra = ["--threads", str(threads), "--threads-batch", str(threads_batch), "--max-sessions", str(ns.max_sessions)]
-    print(f"command: python -m bench.batch_bench {shlex.join(sys.argv[1:] if argv is None else argv)}")
-    print(f"model: {model}  ({n_layer} layers)  cuts: {','.join(cuts)}  cores: {cpus}")
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other processes skew timings)")
-    print(f"threads: n_threads={threads} n_threads_batch={threads_batch} (both sides); node flags: {shlex.join(extra)}")
+    print_header("batch_bench", argv, model, n_layer, cuts, threads, threads_batch, extra)
     print(f"whole: n_seq_max={ns.max_sessions} n_ctx={512 * ns.max_sessions} n_batch=n_ubatch=512 kv_unified=off "
           f"flash_attn=off; {ns.tokens} decode steps per session")
     wholes: list[dict[str, Any]] = []

@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench._setup import model_and_cuts, print_header, thread_counts
 
 SHORT_PROMPT = "The three primary colors are"
 LONG_TEXT = (
@@ -189,29 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     ap.add_argument("--whole-child", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
-    cpus = os.cpu_count() or 1
-    threads, threads_batch = ns.threads or max(cpus // 2, 1), ns.threads_batch or cpus
+    threads, threads_batch = thread_counts(ns)
     if ns.whole_child:
         print(json.dumps(whole_child(ns.model, ns.tokens, threads, threads_batch)))
         return 0
 
-    from meshnode.gguf import ensure_range, inspect_model
     from meshnode.launch import local_route
-    from meshnode.models import pull
 
-    model = Path(ns.model) if ns.model else pull()
-    n_layer = inspect_model(model).n_layer
-    cuts = ns.cuts.split(",") if ns.cuts else [f"0:{n_layer // 2}", f"{n_layer // 2}:{n_layer}"]
-    for c in cuts:  # slice here, so no node's peak RSS includes cutting its artifact
-        a, b = c.split(":")
-        ensure_range(model, int(a), int(b))
+    model, n_layer, cuts = model_and_cuts(ns)
     extra = ["--threads", str(threads), "--threads-batch", str(threads_batch)]
     if ns.max_sessions:
         extra += ["--max-sessions", str(ns.max_sessions)]
-    print(f"command: python -m bench.route_bench {shlex.join(sys.argv[1:] if argv is None else argv)}")
-    print(f"model: {model}  ({n_layer} layers)  cuts: {','.join(cuts)}  cores: {cpus}")
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other processes skew timings)")
-    print(f"threads: n_threads={threads} n_threads_batch={threads_batch} (both sides); node flags: {shlex.join(extra)}")
+    print_header("route_bench", argv, model, n_layer, cuts, threads, threads_batch, extra)
     wholes: list[dict[str, Any]] = []
     routes: list[dict[str, Any]] = []
     with local_route(model, cuts, extra=extra) as nodes:
