@@ -289,6 +289,16 @@ async def _wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
     return True
 
 
+async def _run_then_close(ex: RangeExecutor, go: Callable[[], Any]) -> dict[str, Any]:
+    """Run the asyncio coroutine ``go()`` (bounded), then close the executor whatever happened."""
+    try:
+        with trio.fail_after(60):
+            out: dict[str, Any] = await aio(go)
+            return out
+    finally:
+        ex.close()
+
+
 async def test_a_step_cancelled_before_it_starts_never_runs(model: Path) -> None:
     ex = await trio.to_thread.run_sync(_executor, model)
 
@@ -305,11 +315,7 @@ async def test_a_step_cancelled_before_it_starts_never_runs(model: Path) -> None
         return {"gone_cancelled": gone.cancelled(), "other": other.exception(), "pos_a": ex.next_pos(a),
                 "pos_b": ex.next_pos(b), "steps": ex.steps_total, "batches": ex.batches_total}
 
-    try:
-        with trio.fail_after(60):
-            r = await aio(go)
-    finally:
-        ex.close()
+    r = await _run_then_close(ex, go)
     assert r["gone_cancelled"]
     assert r["other"] is None
     assert r["pos_a"] == 0  # the cancelled chunk ran nothing
@@ -369,11 +375,7 @@ async def test_a_release_whose_wait_is_cancelled_still_frees_the_slot(model: Pat
         freed = await _wait_for(lambda: ex.free_slots == 4)
         return {"freed": freed, "pos_a": ex.next_pos(a)}
 
-    try:
-        with trio.fail_after(60):
-            r = await aio(go)
-    finally:
-        ex.close()
+    r = await _run_then_close(ex, go)
     assert r["freed"], "a cancelled release leaked its slot"
     assert r["pos_a"] == 0
 
@@ -394,11 +396,7 @@ async def test_a_chunk_queued_when_its_session_is_released_is_refused(model: Pat
         return {"fa": fa.exception(), "fb": fb.exception(), "pos_a": ex.next_pos(a), "free": ex.free_slots,
                 "reopened": ex.open_slot()}
 
-    try:
-        with trio.fail_after(60):
-            r = await aio(go)
-    finally:
-        ex.close()
+    r = await _run_then_close(ex, go)
     assert isinstance(r["fa"], errors.CancelledError)
     assert r["fb"] is None
     assert r["pos_a"] == 0  # nothing was written into the freed slot
