@@ -120,6 +120,7 @@ async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_token
         toks = [result.token]
         bytes_in = [0] * len(peers)
         compute = [0] * len(peers)
+        handle = [0] * len(peers)
         t1 = time.perf_counter()
         # delegated decode, as `meshnode generate` does: the head runs the loop
         async for result in rs.generate(toks[-1], n_tokens):
@@ -127,6 +128,7 @@ async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_token
             for k, t in enumerate(result.timings):
                 bytes_in[k] += t.bytes_in
                 compute[k] += t.compute_nanos
+                handle[k] += t.handle_nanos
         decode = time.perf_counter() - t1
         # serialized size of one decode step frame as each hop receives it (same field values as sent)
         step = pb.Step(step_id=rs.step_id, tokens=[toks[-2]], sample=True,
@@ -146,6 +148,7 @@ async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_token
     steps = len(toks) - 1  # fewer than n_tokens if the model ended its generation
     return {"prefill_s": prefill, "decode_tps": steps / decode, "tokens": toks,
             "bytes_in": [b / steps for b in bytes_in], "compute_ms": [c / steps / 1e6 for c in compute],
+            "handle_ms": [h / steps / 1e6 for h in handle],
             "frame_bytes": frames}
 
 
@@ -165,6 +168,22 @@ def run_route(peers: list[str], short: list[int], long: list[int], n_tokens: int
 
     result: dict[str, Any] = trio.run(main)
     return result
+
+
+def where_time_goes(per_token_ms: float, hops: list[dict[str, Any]]) -> str:
+    """Split a decoded token's time on the route, from each hop's HopTiming (compute = inside llama.cpp,
+    handle = the hop's whole step, including the hops after it): llama.cpp per hop; the tail's step beyond
+    llama.cpp (hand-off to its llama.cpp thread and back, sampling, codecs); for each hop pair, the upstream
+    hop's step beyond its llama.cpp and the downstream hop's step (its hand-offs, encoding, gRPC both ways);
+    and the head's generate loop between steps (per-token gap minus the head's step)."""
+    comp = [h["compute_ms_per_token"] for h in hops]
+    handle = [h["handle_ms_per_token"] for h in hops]
+    link = [handle[i] - comp[i] - handle[i + 1] for i in range(len(hops) - 1)]
+    parts = [f"llama.cpp {' + '.join(f'{c:.3f}' for c in comp)}",
+             f"tail step beyond llama.cpp {handle[-1] - comp[-1]:.3f}",
+             f"per hop pair, upstream step beyond llama.cpp and downstream step {' + '.join(f'{x:.3f}' for x in link)}",
+             f"head loop between steps {per_token_ms - handle[0]:.3f}"]
+    return "route per token, ms: " + "; ".join(parts)
 
 
 def proc_status_mb(pid: int | str) -> tuple[float, float]:
@@ -229,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     same_long = all(r["long_tokens"] == wholes[0]["long_tokens"] for r in routes)
     hops = [{"layers": c, "endpoint": p, "bytes_in_per_token": med(routes, "bytes_in", i),
              "frame_bytes_per_token": routes[-1]["frame_bytes"][i],
-             "compute_ms_per_token": med(routes, "compute_ms", i), "rss_mb": rss, "rss_now_mb": now,
+             "compute_ms_per_token": med(routes, "compute_ms", i),
+             "handle_ms_per_token": med(routes, "handle_ms", i), "rss_mb": rss, "rss_now_mb": now,
              "rss_fraction": rss / w_rss}
             for i, (c, p, (rss, now)) in enumerate(zip(cuts, peers, node_rss, strict=True))]
     dec_ratio, dl_ratio, pre_ratio = r_dec / w_dec, r_dl / w_dl, w_pre / r_pre
@@ -259,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"route decode per token: {1e3 / r_dec:.3f} ms, of which llama.cpp compute "
           f"{sum(h['compute_ms_per_token'] for h in hops):.3f} ms; whole: {1e3 / w_dec:.3f} ms")
+    print(where_time_goes(1e3 / r_dec, hops))
     if ns.json:
         print(json.dumps({
             "model": str(model), "cuts": cuts, "runs": ns.runs, "tokens": ns.tokens, "threads": threads,

@@ -47,6 +47,7 @@ def _exec_config(ns: argparse.Namespace) -> ExecConfig:
         max_sessions=ns.max_sessions or base.max_sessions,
         n_threads=ns.threads or base.n_threads,
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
+        inline_decode=not getattr(ns, "decode_on_worker", False),
     )
 
 
@@ -54,6 +55,9 @@ def _add_exec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="llama.cpp threads for decode (default: cores/2)")
     p.add_argument("--threads-batch", type=int, help="llama.cpp threads for prefill (default: cores)")
     p.add_argument("--max-sessions", type=int, help="concurrent sessions (KV sequences), default 4")
+    p.add_argument("--decode-on-worker", action="store_true",
+                   help="hand single-token decode steps to the llama.cpp worker thread too (default: they run "
+                        "on the data-plane loop's thread, two thread wake-ups less per step)")
 
 
 # -- commands ---------------------------------------------------------------------

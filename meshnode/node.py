@@ -19,7 +19,6 @@ from pathlib import Path
 
 import llama_cpp
 import trio
-import trio_asyncio
 
 from meshnode import __version__, errors
 from meshnode.capabilities import hardware, measure_throughput
@@ -36,6 +35,7 @@ from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
 from meshnode.session.hop import HopLimits
+from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.server import serve_grpc, split_hostport
 from meshnode.transport.servicer import NodeServicer
 from meshnode.wire import codec
@@ -173,22 +173,21 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             return capability(artifact, config.executor, config.limits, ident, hardware=hw, throughput=tput,
                               endpoints=endpoints)
 
-        async with trio_asyncio.open_loop() as loop, trio.open_nursery() as nursery:
-            # an asyncio task's stray error is logged, never raised into the node (trio-asyncio's
-            # default handler would end the whole node for one session's forgotten task)
-            loop.set_exception_handler(_log_loop_error)
+        # the data plane (grpc.aio, sessions, the executor's waiters) runs on an asyncio loop of its own
+        # thread; trio keeps the lifecycle and reaches that loop only through ``aio`` (aiothread.py)
+        async with open_aio_thread() as aio, trio.open_nursery() as nursery:
             servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen, ident=ident)
-            addr = await nursery.start(serve_grpc, servicer, config.listen)
+            addr = await nursery.start(functools.partial(serve_grpc, servicer, config.listen, aio=aio.run))
             servicer.endpoint = addr
             endpoints.append(addr)
             servicer.capability = cap()
             metrics_url = None
             if config.metrics:
                 mhost, mport = split_hostport(config.metrics)
-                bound = await nursery.start(serve_http, _metrics_handler(servicer.metrics), mhost, mport)
+                bound = await nursery.start(serve_http, _metrics_handler(servicer.metrics, aio), mhost, mport)
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)
-            await _announce(nursery, config, ident, servicer, executor, addr)
+            await _announce(nursery, config, ident, servicer, aio, addr)
             runtime.write(node_id=ident.node_id, endpoint=addr, layers=f"{artifact.start}:{artifact.end}",
                           tracker=config.tracker, mdns=config.mdns_interface, metrics=metrics_url)
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
@@ -196,10 +195,10 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             interval = watchdog_interval()
             if interval:
                 nursery.start_soon(run_watchdog, interval)
-            nursery.start_soon(_sweep_detached, servicer)
+            nursery.start_soon(_sweep_detached, servicer, aio)
             task_status.started(addr)
             await (stop if stop is not None else trio.Event()).wait()
-            await _drain(servicer, executor, config.drain_timeout)
+            await _drain(servicer, executor, aio, config.drain_timeout)
             nursery.cancel_scope.cancel()  # gRPC stops: the sessions still live are cut
             with trio.CancelScope(shield=True):
                 await _settle(executor)
@@ -209,7 +208,7 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
 
 
 async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdentity, servicer: NodeServicer,
-                    executor: RangeExecutor, addr: str) -> None:
+                    aio: AioThread, addr: str) -> None:
     """Start mDNS advertising and tracker heartbeats, as configured."""
     if config.mdns_interface:
         from meshnode.discovery.mdns import PeerTable, run_mdns  # zeroconf costs RSS: only when used
@@ -217,38 +216,34 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
         host, port = split_hostport(addr)
         advertised = f"{config.mdns_interface}:{port}" if host in ("0.0.0.0", "::") else addr
         await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
-                                              node_id=ident.node_id, endpoint=advertised))
+                                              node_id=ident.node_id, endpoint=advertised, aio=aio.run))
     if config.tracker:
         await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: servicer.capability,
                                               servicer.health, interval=config.heartbeat))
 
 
-def _metrics_handler(metrics: NodeMetrics) -> Handler:
+def _metrics_handler(metrics: NodeMetrics, aio: AioThread) -> Handler:
     async def handle(req: Request) -> Response:
         if req.method == "GET" and req.path == "/metrics":
-            return Response(200, metrics.render().encode(), "text/plain; version=0.0.4")
+            text = await aio.call(metrics.render)  # the metrics are the data plane's: read them on its thread
+            return Response(200, text.encode(), "text/plain; version=0.0.4")
         return Response.json({"error": "NOT_FOUND"}, 404)
 
     return handle
 
 
-def _log_loop_error(loop: object, context: dict[str, object]) -> None:
-    exc = context.get("exception")
-    log.error("asyncio: %s", context.get("message"), exc_info=exc if isinstance(exc, BaseException) else None)
-
-
-async def _sweep_detached(servicer: NodeServicer, every: float = 1.0) -> None:
+async def _sweep_detached(servicer: NodeServicer, aio: AioThread, every: float = 1.0) -> None:
     """Free broken sessions' KV state once no resume came within the grace period."""
     while True:
         await trio.sleep(every)
-        await trio_asyncio.aio_as_trio(servicer.sweep)()
+        await aio.run(servicer.sweep)
 
 
-async def _drain(servicer: NodeServicer, executor: RangeExecutor, timeout: float) -> None:
+async def _drain(servicer: NodeServicer, executor: RangeExecutor, aio: AioThread, timeout: float) -> None:
     """Refuse new sessions; give live ones ``timeout`` seconds to finish."""
     notify("STOPPING=1")
     servicer.serving = False
-    await trio_asyncio.aio_as_trio(servicer.drop_detached)()  # no resume is coming any more
+    await aio.run(servicer.drop_detached)  # no resume is coming any more
     log.info("draining: %d live sessions, up to %.0fs", executor.live_slots, timeout)
     with trio.move_on_after(timeout):
         # slots are freed by asyncio-side session code; a bounded 100 ms poll is simpler

@@ -24,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
-import trio_asyncio
 from zeroconf import ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from meshnode import errors
 from meshnode.discovery.table import Event, Gone, PeerEntry, Seen, apply, expire
 from meshnode.session.initiator import check_attested
+from meshnode.transport.aiothread import AioRun, via_trio_asyncio
 from meshnode.transport.client import get_capability, health
 
 log = logging.getLogger("meshnode.discovery")
@@ -100,7 +100,7 @@ async def _resolve(zc: Zeroconf, name: str) -> tuple[str, str] | None:
     return node_id, f"{info.parsed_addresses()[0]}:{info.port}"
 
 
-async def _learn(zc: Zeroconf, name: str, table: PeerTable, self_id: str) -> None:
+async def _learn(zc: Zeroconf, name: str, table: PeerTable, self_id: str, aio: AioRun) -> None:
     found = await _resolve(zc, name)
     if found is None:
         return
@@ -108,7 +108,7 @@ async def _learn(zc: Zeroconf, name: str, table: PeerTable, self_id: str) -> Non
     if node_id == self_id:
         return
     try:
-        cap = await trio_asyncio.aio_as_trio(get_capability)(endpoint, 5.0)
+        cap = await aio(get_capability, endpoint, 5.0)
         check_attested(endpoint, cap, int(time.time()))
         if cap.node_id != node_id:
             raise errors.AttestationMismatchError(f"advertised as {node_id} but attests {cap.node_id}", hop=endpoint)
@@ -119,7 +119,7 @@ async def _learn(zc: Zeroconf, name: str, table: PeerTable, self_id: str) -> Non
     table.feed(Seen(PeerEntry(node_id, endpoint, cap, "mdns", time.time())))
 
 
-async def _keep_alive(table: PeerTable) -> None:
+async def _keep_alive(table: PeerTable, aio: AioRun) -> None:
     """Liveness: re-probe every known mDNS peer each ttl/3; one that stops answering is dropped.
 
     mDNS removal notices are best effort (a crashed node sends no goodbye), so
@@ -131,7 +131,7 @@ async def _keep_alive(table: PeerTable) -> None:
             if entry.source != "mdns":
                 continue
             try:
-                await trio_asyncio.aio_as_trio(health)(entry.endpoint, 3.0)
+                await aio(health, entry.endpoint, 3.0)
             except errors.MeshnodeError:
                 table.feed(Gone(entry.node_id))
                 continue
@@ -139,8 +139,10 @@ async def _keep_alive(table: PeerTable) -> None:
 
 
 async def run_mdns(table: PeerTable, *, interface: str, node_id: str = "", endpoint: str | None = None,
+                   aio: AioRun = via_trio_asyncio,
                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Advertise (if ``endpoint``) and browse until cancelled. Needs a trio-asyncio loop.
+    """Advertise (if ``endpoint``) and browse until cancelled. Peers are probed over gRPC through
+    ``aio`` (default: a trio-asyncio loop, which the caller opens; a node passes its asyncio thread).
 
     On cancellation the service is unregistered (goodbye packets) and
     zeroconf closed, within a shielded, bounded cleanup.
@@ -164,10 +166,10 @@ async def run_mdns(table: PeerTable, *, interface: str, node_id: str = "", endpo
         browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=handlers)
         task_status.started()
         async with trio.open_nursery() as nursery, recv:
-            nursery.start_soon(_keep_alive, table)
+            nursery.start_soon(_keep_alive, table, aio)
             async for name, change in recv:
                 if change in (ServiceStateChange.Added, ServiceStateChange.Updated):
-                    nursery.start_soon(_learn, zc, name, table, node_id)
+                    nursery.start_soon(_learn, zc, name, table, node_id, aio)
                 elif change is ServiceStateChange.Removed and name in table.names:
                     table.feed(Gone(table.names.pop(name)))
     finally:

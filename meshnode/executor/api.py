@@ -4,20 +4,30 @@
 one KV sequence (a slot) from ``open_slot`` until ``release``.
 
 Concurrency: llama.cpp contexts are not thread-safe, so every call into the
-context runs on one dedicated worker thread (a single-thread pool: the
-equivalent of a ``CapacityLimiter(1)`` per context), never on the event loop.
+context holds one lock (``_ctx``): the equivalent of a ``CapacityLimiter(1)``
+per context. Calls run on a dedicated worker thread, never on trio's loop.
 
-Batching: ``forward`` only queues a chunk. The worker, whenever it is free,
-takes what is queued and runs every chunk that can share one llama_decode
-(``pick_batch``: the oldest chunk plus later ones of the same length for other
-sessions, within one micro-batch) as a single batch: one pass over the
-weights serves all of them. A lone session pays nothing for this; concurrent
-sessions' steps coalesce on their own while the worker is busy.
+Batching: ``forward`` only queues a chunk. Dispatch happens on the node's
+asyncio data-plane loop one iteration later (``loop.call_soon``), so the
+steps of every session whose frame arrived in the same loop iteration are
+queued by then; ``pick_batch`` takes the oldest chunk plus later ones of the
+same length for other sessions, within one micro-batch, and they run as a
+single llama_decode: one pass over the weights serves all of them. A lone
+session pays nothing for this; concurrent sessions' steps coalesce on their
+own while the context is busy.
+
+Where a batch runs: a batch of single-token decode steps (a few ms) runs
+right there on the data-plane loop's thread when ``ExecConfig.inline_decode``
+is on and the context is free; everything else (prompt chunks, releases)
+runs on the worker thread. Handing a decode step to a thread and back costs
+two thread wake-ups, ~0.1-0.2 ms each on a small VM, on every token of every
+hop; running it inline blocks only the data-plane loop (never trio's), for
+one step, during which the context could serve nobody else anyway.
+
 The awaitables are asyncio futures because the node's per-session data path
-runs as asyncio coroutines inside trio-asyncio (docs/architecture.md, "the
-bridge"). Cancelling an await does not interrupt llama.cpp: the step runs to
-completion on the worker and its result is dropped, so the KV state stays
-consistent with ``next_pos``.
+runs as asyncio coroutines (docs/architecture.md, "the bridge"). Cancelling
+an await does not interrupt llama.cpp: the step runs to completion and its
+result is dropped, so the KV state stays consistent with ``next_pos``.
 
 In-process or a supervised child? In-process (docs/architecture.md,
 "executor placement"): a residual crosses no extra IPC boundary on the hot
@@ -39,6 +49,7 @@ from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
+import trio
 
 from meshnode.errors import CancelledError, CapacityError
 from meshnode.executor._llama import F32, Chunk, LlamaRange, StepOutput, Vocab, batchable
@@ -95,13 +106,21 @@ class RangeExecutor:
         self._free = list(range(config.max_sessions - 1, -1, -1))
         self.steps_total = 0
         self.batches_total = 0
+        #: guards the queue and ``_draining``
         self._lock = threading.Lock()
+        #: held by whoever is inside llama.cpp (the worker thread or an inline batch)
+        self._ctx = threading.Lock()
         self._queue: list[_Job] = []
+        #: a dispatch is scheduled or a drainer runs: forward() only queues
         self._draining = False
 
     def run_blocking(self, fn: Callable[[LlamaRange], T]) -> T:
         """Run ``fn(range)`` on the executor's thread and wait (start-up work only)."""
-        return self._pool.submit(fn, self._range).result()
+        return self._pool.submit(self._locked, fn, self._range).result()
+
+    def _locked(self, fn: Callable[..., T], *args: object) -> T:
+        with self._ctx:
+            return fn(*args)
 
     # -- properties of the range -------------------------------------------------
 
@@ -160,13 +179,14 @@ class RangeExecutor:
     def _release(self, slot: int) -> None:
         """On the worker, after every batch that was already running."""
         try:
-            self._range.release(slot)
+            with self._ctx:
+                self._range.release(slot)
         finally:
             with self._lock:
                 self._free.append(slot)
 
     async def truncate(self, slot: int, n_past: int) -> None:
-        await asyncio.wrap_future(self._pool.submit(self._range.truncate, slot, n_past))
+        await asyncio.wrap_future(self._pool.submit(self._locked, self._range.truncate, slot, n_past))
 
     def next_pos(self, slot: int) -> int:
         return self._range.next_pos(slot)
@@ -175,11 +195,12 @@ class RangeExecutor:
                       embd: F32 | None = None) -> Timed:
         """Queue one chunk of one session; resolves when its batch has run."""
         job = _Job(Chunk(slot, pos0, tokens, embd), concurrent.futures.Future())
+        loop = asyncio.get_running_loop()
         with self._lock:
             self._queue.append(job)
             if not self._draining:
                 self._draining = True
-                self._pool.submit(self._drain)
+                loop.call_soon(self._dispatch)
         try:
             return await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
@@ -188,22 +209,52 @@ class RangeExecutor:
                     self._queue.remove(job)
             raise
 
+    def _take(self) -> list[_Job]:
+        """Under ``_lock``: the next batch, taken off the queue and marked running."""
+        # a chunk whose waiter was cancelled before it started never runs (its future
+        # is cancelled and could take no result)
+        self._queue = [j for j in self._queue if not j.future.cancelled()]
+        idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch)
+        picked = [self._queue[i] for i in idx]
+        for i in sorted(idx, reverse=True):
+            del self._queue[i]
+        # running from here: a waiter cancelled now no longer cancels the future, the
+        # chunk runs to completion and its result is dropped (docstring above)
+        return [j for j in picked if j.future.set_running_or_notify_cancel()]
+
+    def _dispatch(self) -> None:
+        """On the data-plane loop, one iteration after a chunk was queued into an idle executor.
+
+        A batch of decode steps runs here if the context is free; anything else, and anything
+        left after it, is handed to the worker thread, which drains the queue.
+        """
+        # never on a trio thread (a trio-asyncio loop runs there): trio's loop is never blocked
+        inline = (self.config.inline_decode and not trio.lowlevel.in_trio_run()
+                  and all(self._rows(j.chunk) == 1 for j in self._queue))
+        if inline and self._ctx.acquire(blocking=False):
+            try:
+                with self._lock:
+                    jobs = self._take()
+                if jobs:
+                    self._run(jobs)
+            finally:
+                self._ctx.release()
+            with self._lock:
+                if not self._queue:
+                    self._draining = False
+                    return
+            asyncio.get_running_loop().call_soon(self._dispatch)  # more arrived meanwhile: same rules
+            return
+        self._pool.submit(self._drain)
+
     def _drain(self) -> None:
         """On the worker: run one batch of what is queued, then come back for the rest."""
         try:
             with self._lock:
-                # a chunk whose waiter was cancelled before it started never runs (its future
-                # is cancelled and could take no result)
-                self._queue = [j for j in self._queue if not j.future.cancelled()]
-                idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch)
-                picked = [self._queue[i] for i in idx]
-                for i in sorted(idx, reverse=True):
-                    del self._queue[i]
-                # running from here: a waiter cancelled now no longer cancels the future, the
-                # chunk runs to completion and its result is dropped (docstring above)
-                jobs = [j for j in picked if j.future.set_running_or_notify_cancel()]
+                jobs = self._take()
             if jobs:
-                self._run(jobs)
+                with self._ctx:
+                    self._run(jobs)
         finally:  # whatever happened, the queue keeps draining
             with self._lock:
                 if self._queue:
@@ -233,5 +284,5 @@ class RangeExecutor:
         return 0 if c.embd is None else int(c.embd.shape[0])
 
     def close(self) -> None:
-        self._pool.submit(self._range.close).result()
+        self._pool.submit(self._locked, self._range.close).result()
         self._pool.shutdown(wait=True)

@@ -28,6 +28,10 @@ class ExecConfig:
     n_threads_batch: int = _cpus()
     #: flash attention: off, as Llama's default. Changes greedy tokens: equal on every hop.
     flash_attn: bool = False
+    #: run batches of single-token decode steps on the calling asyncio loop's thread instead of handing
+    #: them to the llama.cpp worker thread (docs/architecture.md, "executor placement"): two thread
+    #: wake-ups less per step and hop. Prompt chunks always go to the worker thread.
+    inline_decode: bool = True
 
     def numerics(self) -> dict[str, int | bool]:
         """The settings that change numerics; hops of one route must agree on them."""

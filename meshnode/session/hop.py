@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -354,9 +354,13 @@ class HopSession:
 
     # -- delegated decode (head only) ---------------------------------------------
 
-    async def generate(self, frame: pb.SessionFrame, write: Callable[[pb.SessionReply], Awaitable[None]],
+    async def generate(self, frame: pb.SessionFrame, post: Callable[[pb.SessionReply], None],
                        stop: asyncio.Event, flow: Flow | None = None) -> None:
-        """Run a Generate: one ordinary step per token, each result written upstream.
+        """Run a Generate: one ordinary step per token, each result posted upstream.
+
+        ``post`` queues a result for sending and returns at once, so the next
+        token's step starts while the last one travels (its send completion is
+        off the per-token path); ``post`` raises once the upstream stream broke.
 
         Stops at end-of-generation, ``max_tokens`` or when ``stop`` is set
         (in-band cancel); the last result written has ``last = true``. A failing
@@ -388,7 +392,7 @@ class HopSession:
                 raise
             result = reply.result
             result.last = result.end_of_generation or i == g.max_tokens - 1 or stop.is_set()
-            await write(reply)
+            post(reply)
             if result.last:
                 return
             token, n_past = result.token, n_past + 1

@@ -1,14 +1,14 @@
-"""Start and stop the grpc.aio server on the trio-asyncio loop."""
+"""Start and stop the grpc.aio server on the node's asyncio thread (transport/aiothread.py)."""
 
 from __future__ import annotations
 
 import grpc
 import trio
-import trio_asyncio
 
 from meshnode.errors import InputError
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.hop import channel_options
+from meshnode.transport.aiothread import AioRun
 
 
 def split_hostport(listen: str) -> tuple[str, int]:
@@ -29,19 +29,19 @@ async def _start(servicer: pb_grpc.NodeServicer, listen: str) -> tuple[grpc.aio.
     return server, port
 
 
-async def serve_grpc(servicer: pb_grpc.NodeServicer, listen: str, *, grace: float = 2.0,
+async def serve_grpc(servicer: pb_grpc.NodeServicer, listen: str, *, aio: AioRun, grace: float = 2.0,
                      task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until cancelled. Must run inside ``trio_asyncio.open_loop()``.
+    """Serve until cancelled; the server lives on the loop ``aio`` runs coroutines on.
 
     Reports ``host:port`` (the real bound port, for port 0) through
     ``task_status.started`` only once the server accepts connections. On
     cancellation it stops the server with a bounded, shielded grace period.
     """
     host, _ = split_hostport(listen)
-    server, port = await trio_asyncio.aio_as_trio(_start)(servicer, listen)
+    server, port = await aio(_start, servicer, listen)
     try:
         task_status.started(f"{host}:{port}")
         await trio.sleep_forever()
     finally:
         with trio.move_on_after(grace + 1.0, shield=True):
-            await trio_asyncio.aio_as_trio(server.stop)(grace)
+            await aio(server.stop, grace)

@@ -14,6 +14,7 @@ answered as INTERNAL (terminal) — the node keeps serving other sessions.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -39,15 +40,52 @@ log = logging.getLogger("meshnode.node")
 
 
 class _Writer:
-    """Serialises writes on one stream (a running Generate and the read loop both answer),
-    and counts what is written into the node's metrics."""
+    """Writes one stream's replies in order (a running Generate and the read loop both answer),
+    and counts what is written into the node's metrics.
+
+    ``post`` queues a reply and returns at once: a Generate goes on to its next token while its
+    last result is still being sent (the send's completion would otherwise sit on every token's
+    critical path). ``write`` queues and waits until everything queued so far is sent. A failed
+    send ends the stream: every later ``post`` or ``write`` raises PeerError.
+    """
 
     def __init__(self, context: Any, metrics: NodeMetrics) -> None:
         self._context = context
-        self._lock = asyncio.Lock()
         self._metrics = metrics
+        self._pending: collections.deque[pb.SessionReply] = collections.deque()
+        self._pump_task: asyncio.Task[None] | None = None
+        self._failed: str | None = None
+
+    def post(self, reply: pb.SessionReply) -> None:
+        if self._failed is not None:
+            raise errors.PeerError(f"the stream to the previous hop broke: {self._failed}")
+        self._count(reply)
+        self._pending.append(reply)
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.ensure_future(self._pump())
 
     async def write(self, reply: pb.SessionReply) -> None:
+        self.post(reply)
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Wait until every queued reply is sent (cancelling the caller does not stop the sending)."""
+        while self._pump_task is not None and not self._pump_task.done():
+            await asyncio.shield(self._pump_task)
+        if self._failed is not None:
+            raise errors.PeerError(f"the stream to the previous hop broke: {self._failed}")
+
+    async def _pump(self) -> None:
+        while self._pending:
+            reply = self._pending.popleft()
+            try:
+                await self._context.write(reply)
+            except Exception as e:  # the RPC is over (peer gone, cancelled): nothing more goes out
+                self._failed = repr(e)
+                self._pending.clear()
+                return
+
+    def _count(self, reply: pb.SessionReply) -> None:
         m = self._metrics
         m.bytes_out.inc(reply.ByteSize())
         if reply.HasField("error"):
@@ -56,12 +94,18 @@ class _Writer:
             mine = reply.result.timings[0]
             m.tokens.inc(mine.n_tokens, kind="decode" if mine.n_tokens == 1 else "prefill")
             m.steps.observe(mine.handle_nanos / 1e9)
-        async with self._lock:
-            await self._context.write(reply)
 
     async def error(self, session: HopSession, e: errors.MeshnodeError, *, terminal: bool | None = None) -> None:
         await self.write(pb.SessionReply(route_session_id=session.session_id,
                                          error=codec.error_to_pb(e, hop=session.endpoint, terminal=terminal)))
+
+    async def close(self, timeout: float) -> None:
+        """At the end of the handler: let what is queued go out (bounded), then stop."""
+        task = self._pump_task
+        if task is not None and not task.done():
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+            task.cancel()
 
 
 #: seconds between looks for a freed slot while an open waits for one
@@ -283,6 +327,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                 if not await self._work(session, frame, writer, ctl):
                     return
         finally:
+            await writer.close(self.limits.step_timeout / 10)
             if reader is not None:
                 reader.cancel()  # its outcome is collected here either way
                 with contextlib.suppress(BaseException):
@@ -366,13 +411,13 @@ class NodeServicer(pb_grpc.NodeServicer):
         def over() -> None:
             ctl.generating, ctl.work_id = False, None
 
-        async def write(reply: pb.SessionReply) -> None:
+        def post(reply: pb.SessionReply) -> None:
             if reply.HasField("result") and reply.result.last:
                 over()
-            await writer.write(reply)
+            writer.post(reply)
 
         try:
-            await session.generate(frame, write, ctl.stop, ctl.flow)
+            await session.generate(frame, post, ctl.stop, ctl.flow)
         except errors.MeshnodeError as e:
             over()
             await writer.error(session, e)
