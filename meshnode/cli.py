@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
-import trio_asyncio
 
 from meshnode import __version__, errors
 from meshnode.executor.config import ExecConfig
@@ -161,15 +160,17 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     on_token = _stream_printer(ns.json) if ns.stream else None
     if ns.peer or ns.mesh:
         async def main() -> object:
-            async with trio_asyncio.open_loop():
+            from meshnode.transport.aiothread import open_aio_thread
+
+            async with open_aio_thread(name="meshnode-initiator") as aio:
                 peers, spares = ns.peer, ns.spare
                 if ns.mesh:
                     from meshnode.session.mesh import discover
 
                     found = await discover(ns.mesh, mdns_interface=ns.mdns, tracker=ns.tracker,
-                                           timeout=ns.discover_timeout)
+                                           timeout=ns.discover_timeout, aio=aio.run)
                     peers, spares = found.route, found.spares
-                return await trio_asyncio.aio_as_trio(generate)(peers, cfg, spares=spares, on_token=on_token)
+                return await aio.run(functools.partial(generate, peers, cfg, spares=spares, on_token=on_token))
 
         result = trio.run(main)
     else:
@@ -233,8 +234,10 @@ def cmd_peers(ns: argparse.Namespace) -> int:
     table = PeerTable()
 
     async def main() -> None:
-        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-            await nursery.start(functools.partial(run_mdns, table, interface=ns.mdns))
+        from meshnode.transport.aiothread import open_aio_thread
+
+        async with open_aio_thread() as aio, trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(run_mdns, table, interface=ns.mdns, aio=aio.run))
             await trio.sleep(ns.wait)
             nursery.cancel_scope.cancel()
 

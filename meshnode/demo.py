@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 
 import trio
-import trio_asyncio
 
 from meshnode.gguf import inspect_model
 from meshnode.launch import local_route
 from meshnode.models import pull
 from meshnode.session.initiator import GenerateConfig, GenerationResult, generate
+from meshnode.transport.aiothread import open_aio_thread
 
 
 def run_demo(prompt: str, max_tokens: int) -> int:
@@ -28,9 +28,9 @@ def run_demo(prompt: str, max_tokens: int) -> int:
         print(f"meshnode: route {' -> '.join(peers)}", file=sys.stderr)
 
         async def main() -> GenerationResult:
-            async with trio_asyncio.open_loop():
+            async with open_aio_thread(name="meshnode-initiator") as aio:
                 cfg = GenerateConfig(prompt=prompt, max_tokens=max_tokens)
-                result: GenerationResult = await trio_asyncio.aio_as_trio(generate)(peers, cfg)
+                result: GenerationResult = await aio.run(generate, peers, cfg)
                 return result
 
         result = trio.run(main)

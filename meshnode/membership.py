@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-import trio_asyncio
 
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
@@ -20,6 +19,7 @@ from meshnode.gguf.model import fingerprint, inspect_model
 from meshnode.httpmini import request
 from meshnode.node import RuntimeFile
 from meshnode.routing.assign import coverage, weakest_range
+from meshnode.transport.aiothread import open_aio_thread
 from meshnode.transport.client import get_capability, health
 
 
@@ -37,8 +37,8 @@ async def _tracker_ranges(url: str, fp: str) -> list[tuple[int, int]]:
 
 async def _mdns_ranges(interface: str, fp: str, wait: float = 2.0) -> list[tuple[int, int]]:
     table = PeerTable()
-    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(run_mdns, table, interface=interface))
+    async with open_aio_thread() as aio, trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(run_mdns, table, interface=interface, aio=aio.run))
         await trio.sleep(wait)
         nursery.cancel_scope.cancel()
     return [(p.capability.range.start, p.capability.range.end) for p in table.live().values()
@@ -95,9 +95,9 @@ def status(state_dir: Path) -> dict[str, Any]:
     endpoint = str(doc["endpoint"])
 
     async def gather() -> dict[str, Any]:
-        async with trio_asyncio.open_loop():
-            cap = await trio_asyncio.aio_as_trio(get_capability)(endpoint, 5.0)
-            h = await trio_asyncio.aio_as_trio(health)(endpoint, 5.0)
+        async with open_aio_thread() as aio:
+            cap = await aio.run(get_capability, endpoint, 5.0)
+            h = await aio.run(health, endpoint, 5.0)
         peers: list[dict[str, Any]] = []
         if doc.get("tracker"):
             st, body = await request(str(doc["tracker"]).rstrip("/") + "/api/status")

@@ -77,3 +77,14 @@ async def test_exit_cancels_leftover_tasks_and_joins_the_thread() -> None:
             await aio.run(start_forever)
     assert ended.is_set()
     assert not [t for t in threading.enumerate() if t not in threads_before and t.name == "dp-leftover"]
+
+
+def test_meshnode_programs_never_import_trio_asyncio() -> None:
+    """trio-asyncio monkeypatches asyncio process-wide on import (its get_running_loop asks trio first),
+    which made every asyncio step of a node's data plane several times slower (docs/architecture.md)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, meshnode.cli, meshnode.node, meshnode.membership, meshnode.demo, meshnode.session.mesh, "
+            "meshnode.discovery.mdns; sys.exit('trio_asyncio' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 
 import trio
-import trio_asyncio
 
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
@@ -21,6 +20,7 @@ from meshnode.discovery.table import PeerEntry, Seen
 from meshnode.discovery.tracker_client import lookup
 from meshnode.routing.assign import model_matches
 from meshnode.routing.choose import Candidate, choose_route
+from meshnode.transport.aiothread import AioRun, via_trio_asyncio
 from meshnode.transport.client import health
 
 #: after the model is first covered, wait this long for more replicas
@@ -43,10 +43,10 @@ def _covered(peers: list[PeerEntry]) -> bool:
     return True
 
 
-async def _measure(entry: PeerEntry) -> Candidate | None:
+async def _measure(entry: PeerEntry, aio: AioRun) -> Candidate | None:
     t0 = time.perf_counter()
     try:
-        h = await trio_asyncio.aio_as_trio(health)(entry.endpoint, 3.0)
+        h = await aio(health, entry.endpoint, 3.0)
     except errors.MeshnodeError:
         return None
     rtt = time.perf_counter() - t0
@@ -76,10 +76,11 @@ async def _poll_tracker(url: str, query: str, table: PeerTable) -> None:
 
 
 async def find_route(query: str, *, mdns_interface: str | None = None, tracker: str | None = None,
-                     timeout: float = 5.0, load: dict[str, int] | None = None) -> list[str]:
+                     timeout: float = 5.0, load: dict[str, int] | None = None,
+                     aio: AioRun = via_trio_asyncio) -> list[str]:
     """Endpoints of the fastest route for model ``query`` (see ``discover``)."""
     return (await discover(query, mdns_interface=mdns_interface, tracker=tracker, timeout=timeout,
-                           load=load)).route
+                           load=load, aio=aio)).route
 
 
 @dataclass(frozen=True)
@@ -91,18 +92,20 @@ class Discovered:
 
 
 async def discover(query: str, *, mdns_interface: str | None = None, tracker: str | None = None,
-                   timeout: float = 5.0, load: dict[str, int] | None = None) -> Discovered:
+                   timeout: float = 5.0, load: dict[str, int] | None = None,
+                   aio: AioRun = via_trio_asyncio) -> Discovered:
     """Endpoints of the fastest route for model ``query``, from mDNS and/or a tracker.
 
     ``load`` maps endpoints to the sessions the caller already runs through
     them, so that its concurrent sessions spread across replicas.
 
-    Needs a trio-asyncio loop.
+    Peers are probed over gRPC through ``aio`` (``AioThread.run``; the default
+    needs the caller to have opened a trio-asyncio loop).
     """
     table = PeerTable()
     async with trio.open_nursery() as nursery:
         if mdns_interface:
-            await nursery.start(functools.partial(run_mdns, table, interface=mdns_interface))
+            await nursery.start(functools.partial(run_mdns, table, interface=mdns_interface, aio=aio))
         if tracker:
             nursery.start_soon(_poll_tracker, tracker, query, table)
         peers = await candidates_of(table, query, timeout)
@@ -115,7 +118,7 @@ async def discover(query: str, *, mdns_interface: str | None = None, tracker: st
     measured: list[Candidate] = []
     async with trio.open_nursery() as nursery:
         async def one(p: PeerEntry) -> None:
-            cand = await _measure(p)
+            cand = await _measure(p, aio)
             if cand is not None:
                 measured.append(cand)
 
