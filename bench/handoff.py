@@ -2,7 +2,10 @@
 
 Measures the per-step overhead of handing 3 ms of work (about one hop's
 decode step on SmolLM2) to a worker thread vs to a child process, awaited
-from an event loop as the node does, on this machine.
+from the node's kind of event loop (a plain asyncio loop on its own thread,
+meshnode/transport/aiothread.py), on this machine. (A node runs single-token
+decode steps inline on that loop's thread and hands only prompt chunks to
+the worker thread: docs/architecture.md, "executor placement".)
 
     python -m bench.handoff
 """
@@ -19,7 +22,8 @@ import time
 from multiprocessing.connection import Connection
 
 import trio
-import trio_asyncio
+
+from meshnode.transport.aiothread import open_aio_thread
 
 WORK = 0.003
 N = 300
@@ -91,16 +95,16 @@ def main() -> None:
     a.send_bytes(b"C")
 
     async def run() -> tuple[float, float]:
-        async with trio_asyncio.open_loop():
-            th = await trio_asyncio.aio_as_trio(thread_handoff)()
-            pr = await trio_asyncio.aio_as_trio(process_handoff)(a)
+        async with open_aio_thread() as aio:
+            th = await aio.run(thread_handoff)
+            pr = await aio.run(process_handoff, a)
             return th, pr
 
     th, pr = trio.run(run)
     a.send_bytes(b"")
     p.join()
-    print(f"worker thread  (trio-asyncio loop): {th * 1e3:.3f} ms per step")
-    print(f"child process  (trio-asyncio loop): {pr * 1e3:.3f} ms per step")
+    print(f"worker thread  (asyncio data-plane loop): {th * 1e3:.3f} ms per step")
+    print(f"child process  (asyncio data-plane loop): {pr * 1e3:.3f} ms per step")
 
 
 if __name__ == "__main__":
