@@ -3,8 +3,8 @@
 A running Generate posts each result to the stream's writer and goes on to the next token
 (transport/servicer.py ``_Writer``), so nothing on its path waits for the initiator; when the
 initiator's stream is gone, grpc cancels the stream's handler (or, first, a post finds the send
-failed and raises) and the Generate ends. The session is detached (its KV kept for a resume, as after any broken stream), never
-left decoding for nobody, and the route's next session is exact.
+failed and raises) and the Generate ends. The session is detached (its KV kept for a resume, as
+after any broken stream), never left decoding for nobody, and the route's next session is exact.
 """
 
 from __future__ import annotations
@@ -64,3 +64,31 @@ async def test_a_killed_initiator_stops_its_generate_and_the_route_serves_on(rou
                                                     "--temperature", "0", "--json"))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["tokens"] == reference.tokens
+
+
+async def test_ctrl_c_on_generate_releases_the_route_at_once(node_factory) -> None:
+    """SIGINT is the user giving up: the initiator releases its session on every hop (out of band,
+    signed) before it exits 130, so no hop keeps the KV for the detach grace (30 s)."""
+    nodes = [await trio.to_thread.run_sync(node_factory, layers) for layers in ("0:15", "15:30")]
+    peers = [a for n in nodes for a in ("--peer", n.endpoint)]
+    cmd = [sys.executable, "-m", "meshnode", "generate", *peers, "--prompt", "Count: 1, 2, 3, 4,",
+           "--max-tokens", "450", "--temperature", "0", "--stream", "--json"]
+    seen = trio.Event()
+    lines: list[bytes] = []
+
+    def on_line(line: bytes) -> None:
+        lines.append(line)
+        if len(lines) >= 8:
+            seen.set()
+
+    async with initiator(cmd, timeout=120, on_line=on_line) as run:
+        with trio.fail_after(60):
+            await seen.wait()
+        run.proc.send_signal(signal.SIGINT)
+    assert run.proc.returncode == 130, run.text()
+    with trio.fail_after(5):  # far below the detach grace: released, not detached
+        for n in nodes:
+            # a remote count: polling over gRPC is the only way to see it
+            while (h := await aio(health, n.endpoint, 5.0)).live_sessions:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+            assert (h.detached_sessions, h.free_sessions) == (0, 4)

@@ -30,14 +30,14 @@ import numpy as np
 from meshnode import errors
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import verify_attestation
-from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_route
+from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_control, sign_route
 from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.routing.chain import PeerView, check_chain
 from meshnode.routing.choose import Candidate
 from meshnode.routing.failover import Backoff, can_fail_over, replacement, replay_depths, spare_candidates
-from meshnode.transport.client import get_capability, open_channel, tokenize, translate
+from meshnode.transport.client import get_capability, open_channel, release, tokenize, translate
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import decode_bundle
@@ -45,6 +45,8 @@ from meshnode.wire.tensors import decode_bundle
 log = logging.getLogger("meshnode.initiator")
 #: re-routes one generation may make before it gives up
 MAX_FAILOVERS = 4
+#: seconds an abandoned session's out-of-band Release may take
+ABANDON_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -280,6 +282,23 @@ class RouteSession:
         self._call.cancel()
         await self._channel.close(grace=None)
 
+    async def abandon(self, timeout: float = ABANDON_TIMEOUT) -> None:
+        """Give the session up for good (the user stopped it) and free its KV on every hop now, not
+        after the hops' detach grace: an out-of-band Release, signed by this initiator, to each hop
+        at once (the session stream is gone by then: grpc cancels a call whose read is cancelled).
+        Best effort, bounded by ``timeout``; then hang up."""
+        auth = sign_control(self.ident, self.id, "release", now=int(time.time()))
+
+        async def one(endpoint: str) -> None:
+            with contextlib.suppress(errors.MeshnodeError):
+                await release(endpoint, self.id, auth, timeout)
+
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(one(p) for p in self.peers)), timeout)
+        finally:
+            await self.close()
+
 
 async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentity | None = None, *,
                    spares: Sequence[str] = (),
@@ -306,7 +325,10 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
     try:
         await rs.open()
         return await _Run(rs, prompt, cfg, spare_caps, on_token).run()
-    except BaseException:
+    except asyncio.CancelledError:  # stopped by the user (Ctrl-C) or the caller: nothing will resume it
+        await asyncio.shield(rs.abandon())
+        raise
+    except BaseException:  # a failure: the hops keep the KV detached for their grace period (a resume)
         await rs.close()
         raise
 

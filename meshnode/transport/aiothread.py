@@ -52,9 +52,10 @@ class AioThread:
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``await fn(*args)`` as a task on the loop and return its result (or raise its error).
 
-        Cancelling the trio caller cancels the asyncio task; the caller then
-        waits up to ``CANCEL_GRACE`` seconds (shielded) for the task to end,
-        so the task's clean-up is not cut short by a process that moves on.
+        Cancelling the trio caller (or a KeyboardInterrupt delivered to it)
+        cancels the asyncio task; the caller then waits up to ``CANCEL_GRACE``
+        seconds (shielded) for the task to end, so the task's clean-up (a
+        route's release, say) is not cut short by a process that moves on.
         """
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
@@ -78,7 +79,7 @@ class AioThread:
         self.loop.call_soon_threadsafe(start)
         try:
             await done.wait()
-        except trio.Cancelled:
+        except BaseException:  # trio.Cancelled, or KeyboardInterrupt delivered here: end the task first
             self.loop.call_soon_threadsafe(cancel)
             with trio.move_on_after(CANCEL_GRACE, shield=True):
                 await done.wait()

@@ -51,6 +51,17 @@ async def tokenize(endpoint: str, text: str, timeout: float = 10.0) -> list[int]
     return list(reply.tokens)
 
 
+async def release(endpoint: str, session_id: str, auth: pb.SignedEnvelope, timeout: float = 2.0) -> bool:
+    """Out-of-band Release of a session (``auth``: a ControlOrder signed by its initiator); True if freed."""
+    async with open_channel(endpoint) as ch:
+        try:
+            reply = await pb_grpc.NodeStub(ch).Release(
+                pb.ReleaseRequest(route_session_id=session_id, auth=auth), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, endpoint, "Release") from e
+    return bool(reply.released)
+
+
 async def health(endpoint: str, timeout: float = 5.0) -> pb.HealthReply:
     async with open_channel(endpoint) as ch:
         try:
