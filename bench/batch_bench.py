@@ -8,7 +8,7 @@ Aggregate greedy decode tokens/s for 1, 4 and 8 concurrent sessions (``--session
   ``--max-sessions``, ``n_ctx`` = 512 x that, ``n_batch`` = ``n_ubatch`` = 512, ``kv_unified`` off, flash
   attention off, the nodes' thread counts;
 * **route** -- ``meshnode serve`` child processes on 127.0.0.1 (default two halves, ``--max-sessions 8``),
-  the sessions driven concurrently from this process (one trio_asyncio loop, ``RouteSession``) with
+  the sessions driven concurrently from this process (one asyncio thread, ``RouteSession``) with
   delegated decode (the head runs each session's decode loop, the default of ``generate()``); the hops
   batch concurrent sessions' steps on their own (``RangeExecutor.pick_batch``).
 
@@ -191,21 +191,21 @@ async def _route_round(peers: list[str], caps: list[Any], prompts: list[list[int
 def run_route(peers: list[str], ids: list[list[int]], sessions: list[int], n_tokens: int,
               warm: bool = False) -> dict[str, Any]:
     import trio
-    import trio_asyncio
 
     from meshnode.identity import NodeIdentity
     from meshnode.session.initiator import check_route
+    from meshnode.transport.aiothread import open_aio_thread
 
     ident = NodeIdentity.generate()
 
     async def main() -> dict[str, Any]:
         by_n: dict[str, Any] = {}
-        async with trio_asyncio.open_loop():  # one asyncio loop for all grpc work
-            caps = await trio_asyncio.aio_as_trio(check_route)(peers)
+        async with open_aio_thread() as aio:  # one asyncio loop for all grpc work, as `meshnode generate` has
+            caps = await aio.run(check_route, peers)
             if warm:
-                await trio_asyncio.aio_as_trio(_route_round)(peers, caps, ids[: max(sessions)], 4, ident)
+                await aio.run(_route_round, peers, caps, ids[: max(sessions)], 4, ident)
             for n in sessions:
-                by_n[str(n)] = await trio_asyncio.aio_as_trio(_route_round)(peers, caps, ids[:n], n_tokens, ident)
+                by_n[str(n)] = await aio.run(_route_round, peers, caps, ids[:n], n_tokens, ident)
         return {"by_n": by_n}
 
     result: dict[str, Any] = trio.run(main)

@@ -5,7 +5,7 @@ Measures, on the same GGUF (default: the default model, ``meshnode.models.pull()
 * **whole** -- the whole model in llama-cpp-python (``llama_cpp.Llama``, default context settings), in a
   separate child process so its peak RSS is its own;
 * **route** -- ``meshnode serve`` child processes on 127.0.0.1, one per ``--cuts`` range (default two
-  halves), driven from here through ``RouteSession`` on trio + trio_asyncio as ``meshnode demo`` does.
+  halves), driven from here through ``RouteSession`` on an asyncio thread as ``meshnode demo`` does.
 
 For both: prefill time of one 256-token prompt (the same token ids on both sides, built by the whole
 child), greedy decode tokens/s over ``--tokens`` single-token steps after the short prompt "The three
@@ -154,15 +154,15 @@ async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_token
 
 def run_route(peers: list[str], short: list[int], long: list[int], n_tokens: int) -> dict[str, Any]:
     import trio
-    import trio_asyncio
 
     from meshnode.session.initiator import check_route
+    from meshnode.transport.aiothread import open_aio_thread
 
     async def main() -> dict[str, Any]:
-        async with trio_asyncio.open_loop():
-            caps = await trio_asyncio.aio_as_trio(check_route)(peers)
-            s = await trio_asyncio.aio_as_trio(_session)(peers, caps, short, n_tokens)  # also the warm-up
-            lo = await trio_asyncio.aio_as_trio(_session)(peers, caps, long, n_tokens)
+        async with open_aio_thread() as aio:  # the initiator's loop, as `meshnode generate` has it
+            caps = await aio.run(check_route, peers)
+            s = await aio.run(_session, peers, caps, short, n_tokens)  # also the warm-up
+            lo = await aio.run(_session, peers, caps, long, n_tokens)
         return {**s, "prefill_s": lo["prefill_s"], "decode_long_tps": lo["decode_tps"],
                 "short_tokens": s["tokens"], "long_tokens": lo["tokens"]}
 

@@ -115,13 +115,13 @@ class Tally:
 
 
 def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str, Any]:
-    """The load and the samples (one trio-asyncio loop for the whole run)."""
+    """The load and the samples (one asyncio thread for all grpc work, as ``meshnode generate`` has)."""
     import trio
-    import trio_asyncio
 
     from meshnode import errors
     from meshnode.identity import NodeIdentity
     from meshnode.session.initiator import GenerateConfig, generate
+    from meshnode.transport.aiothread import AioThread, open_aio_thread
     from meshnode.transport.client import health
 
     ident = NodeIdentity.generate()  # the initiator's key; nothing is written to a state dir
@@ -130,8 +130,11 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
     t0 = time.monotonic()
     warm_end, deadline = t0 + ns.warmup, t0 + ns.duration
 
+    aio: AioThread | None = None
+
     async def healths() -> list[Any]:
-        return [await trio_asyncio.aio_as_trio(health)(p, 5.0) for p in peers]
+        assert aio is not None
+        return [await aio.run(health, p, 5.0) for p in peers]
 
     async def worker(k: int) -> None:
         rng = random.Random(ns.seed * 1000 + k)
@@ -140,7 +143,8 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
             cfg = GenerateConfig(prompt=rng.choice(PROMPTS), max_tokens=rng.randint(32, 64),
                                  temperature=0.0 if greedy else 0.8, seed=rng.randrange(1 << 30))
             try:
-                result = await trio_asyncio.aio_as_trio(generate)(peers, cfg, ident)
+                assert aio is not None
+                result = await aio.run(generate, peers, cfg, ident)
             except errors.MeshnodeError as e:
                 tally.errors[e.code] += 1
                 if len(tally.error_samples) < 10:
@@ -177,7 +181,8 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
             await sample("load")
 
     async def main() -> dict[str, Any]:
-        async with trio_asyncio.open_loop():
+        nonlocal aio
+        async with open_aio_thread() as aio:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sampler)
                 for k in range(ns.sessions):
