@@ -85,7 +85,8 @@ class Downstream:
     async def exchange(self, frame: pb.SessionFrame, timeout: float | None) -> pb.SessionReply:
         try:
             await self.call.write(frame)
-            reply = await asyncio.wait_for(self.call.read(), timeout)
+            async with asyncio.timeout(timeout):  # in this task: wait_for would start one per read
+                reply = await self.call.read()
         except TimeoutError:
             raise errors.DeadlineError(f"no answer within {timeout:.1f}s", hop=self.endpoint) from None
         except grpc.aio.AioRpcError as e:

@@ -161,7 +161,8 @@ class RouteSession:
 
     async def _read(self) -> pb.SessionReply:
         try:
-            reply = await asyncio.wait_for(self._call.read(), self.cfg.step_timeout)
+            async with asyncio.timeout(self.cfg.step_timeout):  # in this task: wait_for would start one per read
+                reply = await self._call.read()
         except TimeoutError:
             raise errors.DeadlineError(f"no answer within {self.cfg.step_timeout}s", hop=self.peers[0]) from None
         except grpc.aio.AioRpcError as e:
