@@ -1,10 +1,10 @@
 """The hop side of a route session: one ``HopSession`` per Session stream.
 
-Runs as asyncio coroutines on the trio-asyncio loop (docs/architecture.md,
-"the bridge": every trio<->asyncio crossing costs ~50-100 µs, so the
-per-token path stays on one side). Per frame:
+Runs as asyncio coroutines on the node's asyncio data-plane thread
+(docs/architecture.md, "the bridge"); the per-token path never crosses into
+trio. Per frame:
 
-    read upstream -> validate -> llama.cpp on the executor thread
+    read upstream -> validate -> llama.cpp (inline for a decode step, else the worker thread)
       -> (non-tail) write the residual downstream, read its result
       -> write the result upstream
 

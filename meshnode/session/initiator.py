@@ -1,8 +1,8 @@
 """The initiator side of a route session: check the route, prefill, decode, release.
 
-``generate`` is one asyncio coroutine (run from trio with
-``trio_asyncio.aio_as_trio``): the per-token loop crosses no trio<->asyncio
-boundary. Every step carries a deadline, and every read waits at most until
+``generate`` is one asyncio coroutine (run from trio through
+``AioThread.run``, transport/aiothread.py): the per-token loop crosses no
+trio<->asyncio boundary. Every step carries a deadline, and every read waits at most until
 it, so a dead hop surfaces as a typed error naming it, never a hang.
 
 Failover: the initiator keeps the session's history (the chunks it fed, in
