@@ -88,6 +88,43 @@ def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
     return chosen
 
 
+def _awaitable(cfut: concurrent.futures.Future[T], loop: asyncio.AbstractEventLoop) -> asyncio.Future[T]:
+    """``asyncio.wrap_future`` with a same-thread fast path.
+
+    A decode batch that ran inline resolves its futures on the loop's own thread: the result is
+    copied straight into the asyncio future (its waiter wakes in the next loop iteration), not
+    through ``call_soon_threadsafe`` (a write to the loop's self-pipe and one more iteration).
+    Results from the worker thread still go through ``call_soon_threadsafe``. Cancelling the
+    asyncio future cancels ``cfut`` (which only succeeds while the chunk has not started).
+    """
+    afut: asyncio.Future[T] = loop.create_future()
+    loop_thread = threading.get_ident()
+
+    def copy(f: concurrent.futures.Future[T]) -> None:
+        if afut.done():
+            return
+        if f.cancelled():
+            afut.cancel()
+        elif (e := f.exception()) is not None:
+            afut.set_exception(e)
+        else:
+            afut.set_result(f.result())
+
+    def done(f: concurrent.futures.Future[T]) -> None:
+        if threading.get_ident() == loop_thread:
+            copy(f)
+        elif not loop.is_closed():  # a closed loop has no waiter left to tell
+            loop.call_soon_threadsafe(copy, f)
+
+    def cancelled(a: asyncio.Future[T]) -> None:
+        if a.cancelled():
+            cfut.cancel()
+
+    cfut.add_done_callback(done)
+    afut.add_done_callback(cancelled)
+    return afut
+
+
 @dataclass(eq=False)  # compared by identity: the chunk holds arrays
 class _Job:
     chunk: Chunk
@@ -202,7 +239,7 @@ class RangeExecutor:
                 self._draining = True
                 loop.call_soon(self._dispatch)
         try:
-            return await asyncio.wrap_future(job.future)
+            return await _awaitable(job.future, loop)
         except asyncio.CancelledError:
             with self._lock:  # not started yet: never run it (a resume may truncate this slot next)
                 if job in self._queue:
