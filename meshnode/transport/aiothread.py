@@ -141,14 +141,14 @@ async def open_aio_thread(name: str = "meshnode-aio") -> AsyncIterator[AioThread
         yield AioThread(loop)
     finally:
         loop.call_soon_threadsafe(loop.stop)
-        with trio.move_on_after(STOP_GRACE + 2.0, shield=True):
-            await trio.to_thread.run_sync(thread.join)
+        with trio.CancelScope(shield=True):  # bounded by join's own timeout
+            await trio.to_thread.run_sync(thread.join, STOP_GRACE + 2.0)
         if thread.is_alive():
             log.warning("the asyncio thread did not stop within %.0fs", STOP_GRACE + 2.0)
 
 
-#: ``await aio(fn, *args)`` runs the asyncio coroutine function ``fn`` from trio: ``AioThread.run`` in a
-#: node, ``via_trio_asyncio`` in a program that runs grpc on a trio-asyncio loop (the CLI initiators)
+#: ``await aio(fn, *args)`` runs the asyncio coroutine function ``fn`` from trio: ``AioThread.run`` in
+#: meshnode's programs, ``via_trio_asyncio`` in code that runs inside a trio-asyncio loop (some tests)
 AioRun = Callable[..., Awaitable[Any]]
 
 
