@@ -270,34 +270,37 @@ class RangeExecutor:
                   and all(self._rows(j.chunk) == 1 for j in self._queue))
         if inline and self._ctx.acquire(blocking=False):
             try:
-                with self._lock:
-                    jobs = self._take()
-                if jobs:
-                    self._run(jobs)
+                self._run_one()
             finally:
                 self._ctx.release()
-            with self._lock:
-                if not self._queue:
-                    self._draining = False
-                    return
-            asyncio.get_running_loop().call_soon(self._dispatch)  # more arrived meanwhile: same rules
+            if self._more():
+                asyncio.get_running_loop().call_soon(self._dispatch)  # more arrived meanwhile: same rules
             return
         self._pool.submit(self._drain)
 
     def _drain(self) -> None:
         """On the worker: run one batch of what is queued, then come back for the rest."""
         try:
-            with self._lock:
-                jobs = self._take()
-            if jobs:
-                with self._ctx:
-                    self._run(jobs)
+            with self._ctx:
+                self._run_one()
         finally:  # whatever happened, the queue keeps draining
-            with self._lock:
-                if self._queue:
-                    self._pool.submit(self._drain)
-                else:
-                    self._draining = False
+            if self._more():
+                self._pool.submit(self._drain)
+
+    def _run_one(self) -> None:
+        """Take the next batch and run it (the caller holds ``_ctx``)."""
+        with self._lock:
+            jobs = self._take()
+        if jobs:
+            self._run(jobs)
+
+    def _more(self) -> bool:
+        """Whether chunks are left to run; if not, the executor goes idle (``_draining`` off)."""
+        with self._lock:
+            if self._queue:
+                return True
+            self._draining = False
+            return False
 
     def _run(self, jobs: list[_Job]) -> None:
         try:
