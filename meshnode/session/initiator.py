@@ -291,12 +291,11 @@ class RouteSession:
         auth = sign_control(self.ident, self.id, "release", now=int(time.time()))
 
         async def one(endpoint: str) -> None:
-            with contextlib.suppress(errors.MeshnodeError):
+            with contextlib.suppress(errors.MeshnodeError):  # the RPC's own deadline bounds it
                 await release(endpoint, self.id, auth, timeout)
 
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(one(p) for p in self.peers)), timeout)
+            await asyncio.gather(*(one(p) for p in self.peers))
         finally:
             await self.close()
 
