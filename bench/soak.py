@@ -130,20 +130,16 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
     t0 = time.monotonic()
     warm_end, deadline = t0 + ns.warmup, t0 + ns.duration
 
-    aio: AioThread | None = None
-
-    async def healths() -> list[Any]:
-        assert aio is not None
+    async def healths(aio: AioThread) -> list[Any]:
         return [await aio.run(health, p, 5.0) for p in peers]
 
-    async def worker(k: int) -> None:
+    async def worker(aio: AioThread, k: int) -> None:
         rng = random.Random(ns.seed * 1000 + k)
         while time.monotonic() < deadline:  # no new session after the deadline
             greedy = rng.random() < 0.5
             cfg = GenerateConfig(prompt=rng.choice(PROMPTS), max_tokens=rng.randint(32, 64),
                                  temperature=0.0 if greedy else 0.8, seed=rng.randrange(1 << 30))
             try:
-                assert aio is not None
                 result = await aio.run(generate, peers, cfg, ident)
             except errors.MeshnodeError as e:
                 tally.errors[e.code] += 1
@@ -155,8 +151,8 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
             tally.tokens += len(result.tokens)
             tally.prompt_tokens += len(result.prompt_tokens)
 
-    async def sample(phase: str) -> dict[str, Any]:
-        hs = await healths()
+    async def sample(aio: AioThread, phase: str) -> dict[str, Any]:
+        hs = await healths(aio)
         row = {"t": round(time.monotonic() - t0, 1), "phase": phase, "sessions": tally.sessions,
                "memory_mb": [memory_mb(pid) for pid in pids], "live_sessions": [h.live_sessions for h in hs],
                "steps_total": [h.steps_total for h in hs], "batches_total": [h.batches_total for h in hs]}
@@ -167,35 +163,34 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
                   f"live={row['live_sessions']}", flush=True)
         return row
 
-    async def sampler() -> None:
+    async def sampler(aio: AioThread) -> None:
         await trio.sleep(max(0.0, min(warm_end - time.monotonic(), ns.sample_every)))
         while time.monotonic() < warm_end:
-            await sample("warmup")
+            await sample(aio, "warmup")
             await trio.sleep(max(0.0, min(warm_end - time.monotonic(), ns.sample_every)))
         tally.sessions_at_warmup = tally.sessions
-        await sample("start")
+        await sample(aio, "start")
         while True:
             await trio.sleep(max(0.0, min(deadline - time.monotonic(), ns.sample_every)))
             if time.monotonic() >= deadline:
                 return
-            await sample("load")
+            await sample(aio, "load")
 
     async def main() -> dict[str, Any]:
-        nonlocal aio
         async with open_aio_thread() as aio:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(sampler)
+                nursery.start_soon(sampler, aio)
                 for k in range(ns.sessions):
-                    nursery.start_soon(worker, k)
+                    nursery.start_soon(worker, aio, k)
             # every worker has finished its last session; the nodes free their KV on release
             stopped = time.monotonic()
             with trio.move_on_after(30):
                 # another process's state: polled over Health (bounded)
-                while not all(h.live_sessions == 0 for h in await healths()):  # noqa: ASYNC110
+                while not all(h.live_sessions == 0 for h in await healths(aio)):  # noqa: ASYNC110
                     await trio.sleep(0.2)
             settle = time.monotonic() - stopped
-            end = await sample("end")
-            hs = await healths()
+            end = await sample(aio, "end")
+            hs = await healths(aio)
         return {"end": end, "settle_s": round(settle, 2), "wall_s": round(stopped - t0, 1),
                 "health": [{"live_sessions": h.live_sessions, "free_sessions": h.free_sessions,
                             "tokens_total": h.tokens_total, "errors_total": h.errors_total,
