@@ -22,6 +22,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from meshnode.chat import ChatFormat
 from meshnode.errors import (
     CacheMissError,
     CapacityError,
@@ -68,8 +69,29 @@ class Vocab:
     def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
         model = _load_model(path, vocab_only=True)
         stack.callback(llama_cpp.llama_model_free, model)
+        self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_tokens = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value of the file as llama.cpp renders it to text (None: no such key)."""
+        size = 1024
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+    def chat_format(self) -> ChatFormat:
+        """How ``Llama.create_chat_completion`` would render chat for this file (meshnode/chat.py)."""
+        def text(tok: int) -> str:
+            return llama_cpp.llama_vocab_get_text(self._vocab, tok).decode("utf-8") if tok != -1 else ""
+
+        return ChatFormat(self.meta("tokenizer.chat_template"), bos_token=text(llama_cpp.llama_vocab_bos(self._vocab)),
+                          eos_token=text(llama_cpp.llama_vocab_eos(self._vocab)))
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """As llama.cpp does by default: BOS if the vocab wants it, specials parsed."""
