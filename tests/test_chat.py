@@ -154,3 +154,22 @@ def test_the_template_runs_sandboxed() -> None:
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(errors.InputError):
         ChatFormat(evil, bos_token="", eos_token="").render([{"role": "user", "content": "x"}])
+
+
+async def test_a_tail_node_renders_chat_like_llama_over_grpc(model: Path, route2: list[Any]) -> None:
+    """The tail process renders and tokenizes chat (its GGUF range keeps the template); the head has no
+    vocabulary and says so; messages the template refuses come back as the caller's typed InputError."""
+    from meshnode.transport.client import tokenize_chat
+    from tests.conftest import aio
+
+    head, tail = route2
+    for messages in CONVERSATIONS:
+        with llama(model) as llm:
+            expected = llama_chat_tokens(llm, messages)
+        tokens, stop = await aio(tokenize_chat, tail.endpoint, [(m["role"], m["content"]) for m in messages])
+        assert tokens == expected
+        assert stop == ["<|im_end|>"]  # Jinja2ChatFormatter's stop: the EOS text
+    with pytest.raises(errors.PeerError, match="no vocabulary"):
+        await aio(tokenize_chat, head.endpoint, [("user", "hi")])
+    with pytest.raises(errors.InputError, match=r"messages\[0\].role"):
+        await aio(tokenize_chat, tail.endpoint, [("", "hi")])

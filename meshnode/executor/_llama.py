@@ -70,6 +70,7 @@ class Vocab:
         model = _load_model(path, vocab_only=True)
         stack.callback(llama_cpp.llama_model_free, model)
         self._model = model
+        self._chat: ChatFormat | None = None
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_tokens = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
 
@@ -86,12 +87,15 @@ class Vocab:
             size = n + 1
 
     def chat_format(self) -> ChatFormat:
-        """How ``Llama.create_chat_completion`` would render chat for this file (meshnode/chat.py)."""
-        def text(tok: int) -> str:
-            return llama_cpp.llama_vocab_get_text(self._vocab, tok).decode("utf-8") if tok != -1 else ""
+        """How ``Llama.create_chat_completion`` would render chat for this file (meshnode/chat.py); read once."""
+        if self._chat is None:
+            def text(tok: int) -> str:
+                return llama_cpp.llama_vocab_get_text(self._vocab, tok).decode("utf-8") if tok != -1 else ""
 
-        return ChatFormat(self.meta("tokenizer.chat_template"), bos_token=text(llama_cpp.llama_vocab_bos(self._vocab)),
-                          eos_token=text(llama_cpp.llama_vocab_eos(self._vocab)))
+            self._chat = ChatFormat(self.meta("tokenizer.chat_template"),
+                                    bos_token=text(llama_cpp.llama_vocab_bos(self._vocab)),
+                                    eos_token=text(llama_cpp.llama_vocab_eos(self._vocab)))
+        return self._chat
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """As llama.cpp does by default: BOS if the vocab wants it, specials parsed."""

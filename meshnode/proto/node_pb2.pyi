@@ -1704,44 +1704,82 @@ class TokenizeRequest(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_FIELD_NUMBER: _builtins.int
     PARSE_SPECIAL_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """raw text"""
+    """raw text (ignored when `messages` is given)"""
     add_special: _builtins.bool
-    """add BOS/EOS as the vocabulary asks (llama.cpp default: true)"""
+    """add BOS/EOS as the vocabulary asks (llama.cpp default: true); chat: the template decides"""
     parse_special: _builtins.bool
-    """parse special-token text (llama.cpp default here: true)"""
+    """parse special-token text (llama.cpp default here: true); chat: always true"""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """Chat: render these with the model's own chat format, as llama-cpp-python's
+        create_chat_completion does for the same file (meshnode/chat.py), then tokenize
+        """
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         add_special: _builtins.bool = ...,
         parse_special: _builtins.bool = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_special", b"add_special", "parse_special", b"parse_special", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_special", b"add_special", "messages", b"messages", "parse_special", b"parse_special", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
 
 @_typing.final
+class ChatMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user", "assistant", ... (the template decides what it accepts)"""
+    content: _builtins.str
+    """the message text"""
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
 class TokenizeReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """token ids"""
+
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """chat: stop strings the chat format adds (e.g. its end-of-turn text)"""
 
     def __init__(
         self,
         *,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stop", b"stop", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

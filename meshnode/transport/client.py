@@ -23,6 +23,9 @@ def translate(e: grpc.aio.AioRpcError, endpoint: str, what: str) -> errors.Meshn
         return errors.DeadlineError(f"{what} timed out", hop=endpoint)
     if code == grpc.StatusCode.UNAVAILABLE:
         return errors.PeerError(f"unreachable or not a gRPC server ({e.details()})", hop=endpoint)
+    typed, _, message = (e.details() or "").partition(": ")
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) and typed in errors.BY_CODE:
+        return errors.from_code(typed, message, hop=endpoint)  # the peer's typed refusal, e.g. of our input
     return errors.PeerError(f"{what} failed: {code.name} {e.details()}", hop=endpoint)
 
 
@@ -49,6 +52,18 @@ async def tokenize(endpoint: str, text: str, timeout: float = 10.0) -> list[int]
         except grpc.aio.AioRpcError as e:
             raise translate(e, endpoint, "Tokenize") from e
     return list(reply.tokens)
+
+
+async def tokenize_chat(endpoint: str, messages: list[tuple[str, str]],
+                        timeout: float = 10.0) -> tuple[list[int], list[str]]:
+    """``(role, content)`` messages rendered by the node's chat format and tokenized: (tokens, stop strings)."""
+    req = pb.TokenizeRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
+    async with open_channel(endpoint) as ch:
+        try:
+            reply = await pb_grpc.NodeStub(ch).Tokenize(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, endpoint, "Tokenize") from e
+    return list(reply.tokens), list(reply.stop)
 
 
 async def release(endpoint: str, session_id: str, auth: pb.SignedEnvelope, timeout: float = 2.0) -> bool:
