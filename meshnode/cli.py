@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -286,6 +287,41 @@ def cmd_status(ns: argparse.Namespace) -> int:
     return 0
 
 
+def api_config(listen: str, api_key: str | None) -> Any:
+    """The API's settings from flags; the key may come from $MESHNODE_API_KEY (not visible in ps)."""
+    import os
+
+    from meshnode.api import ApiConfig
+
+    return ApiConfig(listen=listen, api_key=api_key or os.environ.get("MESHNODE_API_KEY") or None)
+
+
+def cmd_api(ns: argparse.Namespace) -> int:
+    from meshnode.api import MeshSource, run_api
+    from meshnode.api.run import check_exposure
+    from meshnode.transport.server import split_hostport
+
+    if not (ns.peer or ns.tracker or ns.mdns):
+        raise errors.InputError("meshnode api needs a way to find the mesh: --peer HOST:PORT (repeat), "
+                                "--tracker URL and/or --mdns ADDR")
+    for p in ns.peer:
+        split_hostport(p)
+    cfg = api_config(ns.listen, ns.api_key)
+    check_exposure(cfg)
+    source = MeshSource(peers=tuple(ns.peer), tracker=ns.tracker, mdns=ns.mdns)
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                addr = await nursery.start(functools.partial(run_api, cfg, source))
+                print(f"meshnode: API listening on http://{addr}/v1", flush=True)
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return 0
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     from meshnode.demo import run_demo
 
@@ -374,6 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--wait", type=float, default=3.0, help="seconds to browse")
     peers.add_argument("--json", action="store_true")
     peers.set_defaults(func=cmd_peers)
+
+    api = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API over the mesh (a gateway: no layers)")
+    api.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (default 127.0.0.1:8080)")
+    api.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                     help="a node to route through (repeat; any order: every one is a candidate hop)")
+    api.add_argument("--tracker", metavar="URL", help="find the mesh's nodes on this tracker")
+    api.add_argument("--mdns", metavar="ADDR", help="find the mesh's nodes over mDNS on this interface address")
+    api.add_argument("--api-key", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' (required off loopback; or $MESHNODE_API_KEY)")
+    api.set_defaults(func=cmd_api)
 
     demo = sub.add_parser("demo", help="start a two-hop local route on the default model and generate")
     demo.add_argument("--prompt", default="The three primary colors are")

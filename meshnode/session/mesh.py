@@ -31,7 +31,8 @@ def matches(entry: PeerEntry, query: str) -> bool:
     return model_matches(entry.capability.model_fingerprint, entry.capability.model_name, query)
 
 
-def _covered(peers: list[PeerEntry]) -> bool:
+def covered(peers: list[PeerEntry]) -> bool:
+    """Whether these peers' ranges can tile every layer of their model (free sessions or not)."""
     if not peers:
         return False
     n = peers[0].capability.n_layer
@@ -61,7 +62,7 @@ async def candidates_of(table: PeerTable, query: str, timeout: float) -> list[Pe
     with trio.move_on_after(timeout):
         while True:
             peers = [p for p in table.live().values() if matches(p, query)]
-            if _covered(peers):
+            if covered(peers):
                 await trio.sleep(SETTLE)
                 break
             await table.changed.wait()
@@ -115,6 +116,16 @@ async def discover(query: str, *, mdns_interface: str | None = None, tracker: st
     fingerprints = {p.capability.model_fingerprint for p in peers}
     if len(fingerprints) > 1:
         raise errors.RouteError(f"{query!r} names {len(fingerprints)} different models; give a fingerprint")
+    return await choose_among(peers, aio, load=load)
+
+
+async def choose_among(peers: list[PeerEntry], aio: AioRun, *, load: dict[str, int] | None = None) -> Discovered:
+    """Measure ``peers`` (of one model) and choose the fastest route; the rest are its spares.
+
+    ``load`` maps endpoints to the sessions the caller already runs through
+    them. RouteError if the peers that answer do not cover the model;
+    CapacityError if they would, but without a free session on some span.
+    """
     measured: list[Candidate] = []
     async with trio.open_nursery() as nursery:
         async def one(p: PeerEntry) -> None:
@@ -124,8 +135,15 @@ async def discover(query: str, *, mdns_interface: str | None = None, tracker: st
 
         for p in peers:
             nursery.start_soon(one, p)
-    # ``load``: sessions this caller already placed, by endpoint (what find_route returns)
+    n_layer = peers[0].capability.n_layer
     by_node = {c.node_id: (load or {}).get(c.endpoint, 0) for c in measured}
-    route = choose_route(sorted(measured, key=lambda c: c.node_id), peers[0].capability.n_layer, load=by_node)
+    try:
+        route = choose_route(sorted(measured, key=lambda c: c.node_id), n_layer, load=by_node)
+    except errors.RouteError:
+        answering = {c.node_id for c in measured}
+        if covered([p for p in peers if p.node_id in answering]):
+            raise errors.CapacityError(f"every route of {peers[0].capability.model_name} is full: no free "
+                                       "session on some span; try again shortly") from None
+        raise
     chosen = [c.endpoint for c in route]
     return Discovered(chosen, sorted(c.endpoint for c in measured if c.endpoint not in chosen))
