@@ -16,7 +16,7 @@ import trio
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.gguf.model import fingerprint, inspect_model
-from meshnode.httpmini import request
+from meshnode.httpclient import request
 from meshnode.node import RuntimeFile
 from meshnode.routing.assign import coverage, weakest_range
 from meshnode.transport.aiothread import open_aio_thread

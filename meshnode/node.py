@@ -27,10 +27,9 @@ from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
 from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
-from meshnode.httpmini import Handler, Request, Response, serve_http
+from meshnode.httpserve import serve_asgi
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import attest
-from meshnode.metrics import NodeMetrics
 from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
@@ -184,7 +183,7 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             metrics_url = None
             if config.metrics:
                 mhost, mport = split_hostport(config.metrics)
-                bound = await nursery.start(serve_http, _metrics_handler(servicer.metrics, aio), mhost, mport)
+                bound = await nursery.start(serve_asgi, servicer.metrics.asgi(), mhost, mport)
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)
             await _announce(nursery, config, ident, servicer, aio, addr)
@@ -220,16 +219,6 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
     if config.tracker:
         await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: servicer.capability,
                                               servicer.health, interval=config.heartbeat))
-
-
-def _metrics_handler(metrics: NodeMetrics, aio: AioThread) -> Handler:
-    async def handle(req: Request) -> Response:
-        if req.method == "GET" and req.path == "/metrics":
-            text = await aio.call(metrics.render)  # the metrics are the data plane's: read them on its thread
-            return Response(200, text.encode(), "text/plain; version=0.0.4")
-        return Response.json({"error": "NOT_FOUND"}, 404)
-
-    return handle
 
 
 async def _sweep_detached(servicer: NodeServicer, aio: AioThread, every: float = 1.0) -> None:

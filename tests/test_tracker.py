@@ -247,17 +247,21 @@ async def test_a_garbled_tracker_answer_is_a_typed_error_and_bad_entries_are_ski
 
     import trio
 
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
     from meshnode.discovery.tracker_client import lookup
-    from meshnode.httpmini import Request, Response, serve_http
+    from meshnode.httpserve import asgi_app, serve_asgi
 
     good = advertise(me := NodeIdentity.generate(), _cap(me), pb.HealthReply(), seq=1, now=int(time.time()))
     payload = body.replace(b"GOOD", base64.b64encode(good.SerializeToString()))
 
-    async def handler(req: Request) -> Response:
-        return Response(200, payload)
+    async def answer(req: Request) -> Response:
+        return Response(payload, media_type="application/json")
 
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve_http, handler, "127.0.0.1", 0)
+        port = await nursery.start(serve_asgi, asgi_app([Route("/api/lookup", answer)]), "127.0.0.1", 0)
         url = f"http://127.0.0.1:{port}"
         if found is None:
             with pytest.raises(errors.PeerError, match="not meshnode's JSON"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trio
 
-from meshnode.httpmini import serve_http
+from meshnode.httpserve import serve_asgi
 from meshnode.paths import state_dir
 from meshnode.transport.server import split_hostport
 from tracker.app import Tracker
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def run() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                bound = await nursery.start(serve_http, tracker.handle, host, port)
+                bound = await nursery.start(serve_asgi, tracker.asgi(), host, port)
                 print(f"meshnode-tracker: status page http://{host}:{bound}/ listening on {host}:{bound}", flush=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
