@@ -47,10 +47,18 @@ async def _read_capped(resp: httpx.Response, url: str, host: str, limit: int) ->
     if declared.isdigit() and int(declared) > limit:
         raise errors.PeerError(f"tracker {url} answered {declared} bytes, over the {limit}-byte limit", hop=host)
     data = bytearray()
-    async for chunk in resp.aiter_raw():
-        data += chunk
-        if len(data) > limit:
-            raise errors.PeerError(f"tracker {url} answered more than {limit} bytes", hop=host)
+    try:
+        async for chunk in resp.aiter_raw():
+            data += chunk
+            if len(data) > limit:
+                # close the connection and let the stream end (ReadError) instead of leaving the loop:
+                # httpx's stream generators left suspended are reported by trio (encode/httpx#3686)
+                await resp.aclose()
+    except httpx.ReadError:
+        if len(data) <= limit:
+            raise
+    if len(data) > limit:
+        raise errors.PeerError(f"tracker {url} answered more than {limit} bytes", hop=host)
     return bytes(data)
 
 
