@@ -246,7 +246,6 @@ async def test_a_garbled_tracker_answer_is_a_typed_error_and_bad_entries_are_ski
     import base64
 
     import trio
-
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
