@@ -2,8 +2,8 @@
 
 The protocol is the libraries': h11 (inside hypercorn) parses requests and
 answers malformed ones itself (a bad ``Content-Length``, chunked garbage, a
-TLS ClientHello on the plain port: 400 and close; a head over
-``ServeLimits.max_head``: 431), hypercorn bounds idle and slow connections,
+TLS ClientHello on the plain port: 400 and close; a head still incomplete
+past ``ServeLimits.max_head``: 431), hypercorn bounds idle and slow connections,
 starlette gives the apps requests and responses. Our code does the meaning:
 routes, JSON, and the body caps each route needs (``read_body``).
 """
@@ -36,7 +36,7 @@ NO_STORE = {"Cache-Control": "no-store"}
 
 @dataclass(frozen=True)
 class ServeLimits:
-    #: bytes of a request head h11 buffers; a longer head is answered 431 and closed
+    #: bytes of a still incomplete request head h11 buffers; past them it answers 431 and closes
     max_head: int = 16 * 1024
     #: seconds an idle connection stays open, and the most a request head may take to arrive
     keep_alive: float = 5.0
