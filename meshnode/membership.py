@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import signal
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,17 @@ async def _tracker_ranges(url: str, fp: str) -> list[tuple[int, int]]:
     status, body = await request(url.rstrip("/") + "/api/lookup?" + urllib.parse.urlencode({"model": fp}))
     if status != 200:
         raise errors.PeerError(f"tracker lookup failed with HTTP {status}", hop=url)
-    return [(n["range"][0], n["range"][1]) for n in json.loads(body)["nodes"] if n.get("alive")]
+    with _garbled(url):
+        return [(int(n["range"][0]), int(n["range"][1])) for n in json.loads(body)["nodes"] if n.get("alive")]
+
+
+@contextlib.contextmanager
+def _garbled(url: str) -> Iterator[None]:
+    """A tracker answer that is not meshnode's JSON is the tracker's fault: PeerError naming it."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise errors.PeerError(f"the tracker's answer is not meshnode's JSON: {e!r}", hop=url) from None
 
 
 async def _mdns_ranges(interface: str, fp: str, wait: float = 2.0) -> list[tuple[int, int]]:
@@ -102,9 +114,10 @@ def status(state_dir: Path) -> dict[str, Any]:
         if doc.get("tracker"):
             st, body = await request(str(doc["tracker"]).rstrip("/") + "/api/status")
             if st == 200:
-                peers += [{k: n[k] for k in ("node_id", "endpoints", "range", "role", "alive", "live_sessions",
-                                             "free_sessions", "decode_tokens_per_second")} | {"source": "tracker"}
-                          for n in json.loads(body)["nodes"] if n["model"] == cap.model_fingerprint]
+                with _garbled(str(doc["tracker"])):
+                    peers += [{k: n[k] for k in ("node_id", "endpoints", "range", "role", "alive", "live_sessions",
+                                                 "free_sessions", "decode_tokens_per_second")} | {"source": "tracker"}
+                              for n in json.loads(body)["nodes"] if n["model"] == cap.model_fingerprint]
         return {
             "node": {"node_id": cap.node_id, "endpoint": endpoint, "range": [cap.range.start, cap.range.end],
                      "role": cap.role, "model": cap.model_fingerprint, "serving": h.serving,

@@ -263,6 +263,7 @@ async def test_the_tracker_client_refuses_an_oversized_or_endless_answer():
     from starlette.routing import Route
 
     from meshnode.httpserve import asgi_app, serve_asgi
+    from meshnode.membership import _tracker_ranges
 
     ten_mb = b"[" + b" " * (10 * 1024 * 1024) + b"]"
 
@@ -294,8 +295,11 @@ async def test_the_tracker_client_refuses_an_oversized_or_endless_answer():
     async def stalled(req: Request) -> StreamingResponse:
         return StreamingResponse(Parts(1, stall=True), media_type="application/json")
 
+    async def garbled(req: Request) -> Response:
+        return Response(b'{"nodes": [{"range": "all", "alive": true}]}', media_type="application/json")
+
     app = asgi_app([Route("/sized/api/lookup", sized), Route("/chunked/api/lookup", chunked),
-                    Route("/stalled", stalled)])
+                    Route("/stalled", stalled), Route("/garbled/api/lookup", garbled)])
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_asgi, app, "127.0.0.1", 0)
         with trio.fail_after(BOUND):
@@ -305,6 +309,8 @@ async def test_the_tracker_client_refuses_an_oversized_or_endless_answer():
                 await lookup(f"http://127.0.0.1:{port}/chunked", FP)
             with pytest.raises(errors.PeerError, match=r"did not answer within 0.5s"):
                 await request(f"http://127.0.0.1:{port}/stalled", timeout=0.5)
+            with pytest.raises(errors.PeerError, match="not meshnode's JSON"):  # join --auto's look at the mesh
+                await _tracker_ranges(f"http://127.0.0.1:{port}/garbled", FP)
             with pytest.raises(errors.InputError, match="not an http:// URL"):
                 await request(f"ftp://127.0.0.1:{port}/")
         nursery.cancel_scope.cancel()
