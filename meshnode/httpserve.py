@@ -26,6 +26,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
+from meshnode import errors
+
 log = logging.getLogger("meshnode.http")
 # hypercorn announces each bind as "Running on ... (CTRL + C to quit)"; our services print their own line
 log.addFilter(lambda record: not record.getMessage().startswith("Running on"))
@@ -66,14 +68,32 @@ async def serve_asgi(app: Any, host: str, port: int, *, limits: ServeLimits = Se
 
     Cancellation stops it at once: hypercorn's ``serve`` installs no signal
     handlers and its tasks live in its own nurseries, so cancelling the
-    caller's scope closes the listener and every connection. OSError if the
-    address cannot be bound.
+    caller's scope closes the listener and every connection (no shutdown
+    trigger needed). InputError if the address cannot be bound (in use, not
+    this machine's).
     """
     config = hypercorn_config(host, port, limits)
-    async with trio.open_nursery() as nursery:
-        # hypercorn reports its binds ("http://127.0.0.1:PORT") once its sockets listen
-        binds: list[str] = await nursery.start(functools.partial(serve, app, config, mode="asgi"))
-        task_status.started(int(binds[0].rsplit(":", 1)[1]))
+    listening = False
+    try:
+        async with trio.open_nursery() as nursery:
+            # hypercorn reports its binds ("http://127.0.0.1:PORT") once its sockets listen
+            binds: list[str] = await nursery.start(functools.partial(serve, app, config, mode="asgi"))
+            listening = True
+            task_status.started(int(binds[0].rsplit(":", 1)[1]))
+    except (OSError, BaseExceptionGroup) as e:
+        bind_error = None if listening else _os_error(e)
+        if bind_error is None:
+            raise
+        raise errors.InputError(f"cannot listen on {host}:{port}: {bind_error.strerror or bind_error}") from e
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError ``e`` is or carries (hypercorn's nurseries wrap it in groups), if any."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        return next((found for sub in e.exceptions if (found := _os_error(sub)) is not None), None)
+    return None
 
 
 def json_response(doc: Any, status: int = 200) -> Response:

@@ -314,3 +314,17 @@ async def test_the_tracker_client_refuses_an_oversized_or_endless_answer():
             with pytest.raises(errors.InputError, match="not an http:// URL"):
                 await request(f"ftp://127.0.0.1:{port}/")
         nursery.cancel_scope.cancel()
+
+
+def test_a_busy_port_is_a_one_line_error(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tracker", "--listen", f"127.0.0.1:{port}",
+                               "--db", str(tmp_path / "t.sqlite")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"meshnode-tracker: error: INVALID_ARGUMENT: cannot listen on 127.0.0.1:{port}: "
+                                   "Address already in use")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import trio
 
+from meshnode import errors
 from meshnode.httpserve import serve_asgi
 from meshnode.paths import state_dir
 from meshnode.transport.server import split_hostport
@@ -45,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         trio.run(run)
+    except BaseExceptionGroup as group:  # trio nurseries wrap errors in groups: report the typed one
+        typed = errors.typed_leaf(group)
+        if typed is None:
+            raise
+        print(f"meshnode-tracker: error: {typed}", file=sys.stderr)
+        return 2 if isinstance(typed, errors.InputError) else 1
     finally:
         registry.close()
     return 0
