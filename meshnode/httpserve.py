@@ -43,7 +43,7 @@ class ServeLimits:
     #: seconds an idle connection stays open, and the most a request head may take to arrive
     keep_alive: float = 5.0
     #: seconds a read may wait for more bytes of a request before the connection is closed
-    read_timeout: float = 10.0
+    read_timeout: int = 10
     #: seconds connections still open get when the server stops gracefully
     graceful: float = 2.0
 
@@ -54,7 +54,7 @@ def hypercorn_config(host: str, port: int, limits: ServeLimits) -> Config:
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.h11_max_incomplete_size = limits.max_head
     config.keep_alive_timeout = limits.keep_alive
-    config.read_timeout = int(limits.read_timeout)
+    config.read_timeout = limits.read_timeout
     config.graceful_timeout = limits.graceful
     config.include_server_header = False
     config.accesslog = None
