@@ -2,7 +2,7 @@
 
     POST /api/register   body: a SignedEnvelope(Advertisement), application/x-protobuf
     GET  /api/status     models (coverage map per layer) and nodes, as JSON
-    GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model
+    GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model (dead ones left out)
     GET  /               the status page (auto-refreshing, reads /api/status)
 
 Every registration is verified (signature, signer = node id, attestation,
@@ -38,8 +38,7 @@ class Tracker:
         if route == ("GET", "/api/status"):
             return Response.json(views.status(self._views()))
         if route == ("GET", "/api/lookup"):
-            q = req.query.get("model", "")
-            return Response.json({"model": q, "nodes": [v for v in self._views() if views.matches(v, q)]})
+            return Response.json(views.lookup(self._views(), req.query.get("model", "")))
         if route == ("GET", "/"):
             return Response(200, PAGE.encode(), "text/html; charset=utf-8")
         if route == ("GET", "/healthz"):
@@ -61,5 +60,4 @@ class Tracker:
         return Response.json({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})
 
     def _views(self) -> list[dict[str, object]]:
-        now = time.time()
-        return [views.node_view(e, now, self.registry.ttl) for e in self.registry.live(now)]
+        return views.current(self.registry, time.time())  # judged with the prober's findings
