@@ -55,18 +55,21 @@ def hardware() -> pb.Hardware:
 
 #: the warm-up before timing: a short prefill and a few decode steps, untimed
 WARMUP_TOKENS, WARMUP_STEPS = 16, 2
+#: seconds of timed runs after the first, at most: on a busy machine a node still starts promptly
+RUN_BUDGET = 0.5
 
 
-def measure_throughput(rng: LlamaRange, *, prefill_tokens: int = 32, decode_steps: int = 4,
-                       runs: int = 3) -> pb.Throughput:
+def measure_throughput(rng: LlamaRange, *, prefill_tokens: int = 32, decode_steps: int = 4, runs: int = 3,
+                       budget: float = RUN_BUDGET) -> pb.Throughput:
     """The range's single-session speed, measured warm on its last slot, then freed. Blocking.
 
     A cold first run pays for paging the weights in and sizing llama.cpp's
     compute buffers, and a node often measures while its neighbours start up:
-    so an untimed warm-up comes first, then ``runs`` timed runs (a prefill of
-    ``prefill_tokens`` from position 0, then ``decode_steps`` single-token
-    steps), and each figure is the median (of the prefills; of all decode
-    steps). About 0.3 s on SmolLM2's halves.
+    so an untimed warm-up comes first, then up to ``runs`` timed runs (a
+    prefill of ``prefill_tokens`` from position 0, then ``decode_steps``
+    single-token steps; runs after the first only while ``budget`` seconds
+    last), and each figure is the median (of the prefills; of all decode
+    steps). About 0.3 s on an idle machine for SmolLM2's halves.
     """
     seq = rng.config.max_sessions - 1
     n = max(1, min(prefill_tokens, rng.config.n_batch, rng.n_ctx_seq - decode_steps))
@@ -86,11 +89,12 @@ def measure_throughput(rng: LlamaRange, *, prefill_tokens: int = 32, decode_step
         step(0, warm)
         for i in range(min(WARMUP_STEPS, rng.n_ctx_seq - warm)):
             step(warm + i, 1)
-        for _ in range(runs):
+        start = time.perf_counter()
+        while len(prefills) < max(runs, 1) and (not prefills or time.perf_counter() - start < budget):
             rng.release(seq)
             prefills.append(step(0, n))
             decodes.extend(step(n + i, 1) for i in range(decode_steps))
     finally:
         rng.release(seq)
-    return pb.Throughput(decode_tokens_per_second=1.0 / statistics.median(decodes),
+    return pb.Throughput(decode_tokens_per_second=1.0 / statistics.median(decodes or [float("inf")]),
                          prefill_tokens_per_second=n / statistics.median(prefills))

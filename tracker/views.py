@@ -110,6 +110,17 @@ def gaps(cov: list[list[str]]) -> list[list[int]]:
     return out
 
 
+def route_sessions(nodes: list[dict[str, Any]], n_layer: int) -> int:
+    """Route sessions running through a model: every one runs each layer on exactly one hop, so each
+    layer's nodes hold them all (a two-hop session is one session, not two); the smallest such sum
+    over the layers, which a layer nobody serves makes 0."""
+    per_layer = [0] * n_layer
+    for n in nodes:
+        for i in range(max(0, n["range"][0]), min(n_layer, n["range"][1])):
+            per_layer[i] += n["live_sessions"]
+    return min(per_layer, default=0)
+
+
 def status(views: list[dict[str, Any]]) -> dict[str, Any]:
     """Per model: which live node serves each layer; dead nodes are listed but cover nothing."""
     models: dict[str, dict[str, Any]] = {}
@@ -124,5 +135,5 @@ def status(views: list[dict[str, Any]]) -> dict[str, Any]:
         m["coverage"] = coverage(alive, m["n_layer"])
         m["gaps"] = gaps(m["coverage"])
         m["covered"] = not m["gaps"]
-        m["active_sessions"] = sum(v["live_sessions"] for v in alive)
+        m["active_sessions"] = route_sessions(alive, m["n_layer"])
     return {"models": sorted(models.values(), key=lambda m: m["name"]), "nodes": views}
