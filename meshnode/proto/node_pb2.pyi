@@ -406,9 +406,9 @@ class Throughput(_message.Message):
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     decode_tokens_per_second: _builtins.float
-    """single-session decode steps per second"""
+    """single-session decode steps per second (warm, median, at start)"""
     prefill_tokens_per_second: _builtins.float
-    """tokens per second of a 64-token prefill"""
+    """tokens per second of a 32-token prefill (warm, median of 3, at start)"""
     def __init__(
         self,
         *,
