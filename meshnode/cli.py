@@ -275,6 +275,8 @@ def _targets(ns: argparse.Namespace, *, every: bool) -> Callable[[], list[Runnin
 def cmd_leave(ns: argparse.Namespace) -> int:
     from meshnode.membership import leave
 
+    if ns.all and (ns.state_dir or ns.listen):
+        raise errors.InputError("give --all (every node under the default state dir) or --state-dir/--listen")
     for r in leave(_targets(ns, every=ns.all)(), ns.timeout):
         info = r.info or {}
         print(f"meshnode: node {info.get('node_id', '?')} (layers {info.get('layers', '?')}, "

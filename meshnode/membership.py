@@ -70,8 +70,8 @@ def select(base: Path, state_dir: Path | None, listen: list[str], *, every: bool
     nodes under the default ``base`` (runtime.find_nodes), those listening on ``listen``; else all
     of them with ``every``, else the only one. One-line InputErrors otherwise."""
     if state_dir is not None:
-        if listen or every:
-            raise errors.InputError("give --state-dir, or --listen/--all (nodes under the default state dir), not both")
+        if listen:
+            raise errors.InputError("give --state-dir or --listen (a node under the default state dir), not both")
         one = probe(state_dir)
         if one is None:
             raise errors.InputError(f"no node is running with state dir {state_dir}")
