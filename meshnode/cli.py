@@ -14,12 +14,16 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from meshnode import __version__, errors
 from meshnode.executor.config import ExecConfig
 from meshnode.proto import node_pb2 as pb
+
+if TYPE_CHECKING:
+    from meshnode.runtime import Running
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -48,6 +52,12 @@ def _exec_config(ns: argparse.Namespace) -> ExecConfig:
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
         inline_decode=not getattr(ns, "decode_on_worker", False),
     )
+
+
+def _add_node_choice(p: argparse.ArgumentParser, which: str) -> None:
+    p.add_argument("--state-dir", help=f"{which} running with this state dir")
+    p.add_argument("--listen", action="append", default=[], metavar="HOST:PORT",
+                   help=f"{which} started with (or bound to) this address, under the default state dir (repeat)")
 
 
 def _add_exec_flags(p: argparse.ArgumentParser) -> None:
@@ -253,32 +263,44 @@ def cmd_peers(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _state(ns: argparse.Namespace) -> Path:
+def _targets(ns: argparse.Namespace, *, every: bool) -> Callable[[], list[Running]]:
+    """The nodes ``leave``/``status`` name (membership.select), found anew at each call."""
+    from meshnode.membership import select
     from meshnode.paths import state_dir
 
-    return Path(ns.state_dir) if ns.state_dir else state_dir()
+    explicit = Path(ns.state_dir) if ns.state_dir else None
+    return lambda: select(state_dir(), explicit, ns.listen, every=every)
 
 
 def cmd_leave(ns: argparse.Namespace) -> int:
     from meshnode.membership import leave
 
-    doc = leave(_state(ns), ns.timeout)
-    print(f"meshnode: node {doc.get('node_id')} (layers {doc.get('layers')}) has left")
+    if ns.all and (ns.state_dir or ns.listen):
+        raise errors.InputError("give --all (every node under the default state dir) or --state-dir/--listen")
+    for r in leave(_targets(ns, every=ns.all)(), ns.timeout):
+        info = r.info or {}
+        print(f"meshnode: node {info.get('node_id', '?')} (layers {info.get('layers', '?')}, "
+              f"{info.get('endpoint', 'starting')}) has left")
     return 0
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from meshnode.membership import status
+    from meshnode.membership import status, wait_serving
 
-    doc = status(_state(ns))
+    targets = _targets(ns, every=True)
+    doc = status(wait_serving(targets, ns.wait) if ns.wait is not None else targets())
     if ns.json:
         print(json.dumps(doc))
         return 0
-    n = doc["node"]
-    print(f"node {n['node_id']}  {n['endpoint']}  layers {n['range'][0]}:{n['range'][1]} ({n['role']})  "
-          f"{'serving' if n['serving'] else 'draining'}  sessions {n['live_sessions']} live / "
-          f"{n['free_sessions']} free")
-    print(f"{'peer':<36} {'endpoint':<22} {'layers':<8} {'role':<7} {'alive':<6} sessions  tok/s")
+    for n in doc["nodes"]:
+        if n.get("starting") or n.get("error"):
+            print(f"node (pid {n['pid']})  {n.get('error') or 'starting'}  state dir {n['state_dir']}")
+            continue
+        print(f"node {n['node_id']}  {n['endpoint']}  layers {n['range'][0]}:{n['range'][1]} ({n['role']})  "
+              f"{'serving' if n['serving'] else 'draining'}  sessions {n['live_sessions']} live / "
+              f"{n['free_sessions']} free  state dir {n['state_dir']}")
+    if doc["peers"]:
+        print(f"{'peer':<36} {'endpoint':<22} {'layers':<8} {'role':<7} {'alive':<6} sessions  tok/s")
     for p in doc["peers"]:
         print(f"{p['node_id']:<36} {(p['endpoints'] or ['-'])[0]:<22} {p['range'][0]}:{p['range'][1]:<5} "
               f"{p['role']:<7} {'yes' if p['alive'] else 'no':<6} {p['live_sessions']}/{p['free_sessions']:<7} "
@@ -319,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", help="source GGUF file (default: the default model)")
         p.add_argument("--layers", help="A:B, layers A..B-1")
         p.add_argument("--listen", help="HOST:PORT (port 0 = any free port; default 127.0.0.1:0)")
-        p.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
+        p.add_argument("--state-dir", help="where the node key and lock live (default: ~/.local/state/meshnode, "
+                                           "or its nodes/HOST_PORT for a fixed --listen port)")
         p.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
         p.add_argument("--tracker", metavar="URL", help="register with this tracker (http://HOST:PORT)")
         p.add_argument("--heartbeat", type=float, help="seconds between tracker heartbeats (default 10)")
@@ -331,12 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
         _add_exec_flags(p)
         p.set_defaults(func=cmd_serve, join=name == "join")
 
-    lv = sub.add_parser("leave", help="drain the local node and take it out of the mesh (exit 0 once gone)")
-    lv.add_argument("--state-dir", help="the node's state dir (default: ~/.local/state/meshnode)")
+    lv = sub.add_parser("leave", help="drain a local node and take it out of the mesh (exit 0 once gone)")
+    _add_node_choice(lv, "the node")
+    lv.add_argument("--all", action="store_true", help="every node running under the default state dir")
     lv.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to be gone")
     lv.set_defaults(func=cmd_leave)
-    st = sub.add_parser("status", help="the local node's view of the mesh")
-    st.add_argument("--state-dir", help="the node's state dir (default: ~/.local/state/meshnode)")
+    st = sub.add_parser("status", help="the local nodes (all those under the default state dir) and their mesh")
+    _add_node_choice(st, "only the node")
+    st.add_argument("--wait", type=float, metavar="SECONDS",
+                    help="wait up to SECONDS until the nodes named (at least one) serve")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
