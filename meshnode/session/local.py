@@ -10,6 +10,7 @@ import numpy as np
 from meshnode import errors
 from meshnode.executor._llama import LlamaRange
 from meshnode.executor.config import ExecConfig
+from meshnode.executor.context import check_fits
 from meshnode.gguf.slicer import whole_model
 from meshnode.session.initiator import GenerateConfig, GenerationResult
 from meshnode.session.sampling import sample
@@ -24,8 +25,7 @@ def generate_local(model: Path, cfg: GenerateConfig, exec_cfg: ExecConfig) -> Ge
         prompt = vocab.tokenize(cfg.prompt)
         if not prompt:
             raise errors.InputError("the prompt tokenizes to nothing")
-        if len(prompt) + cfg.max_tokens > rng_range.n_ctx_seq:
-            raise errors.InputError(f"prompt + --max-tokens exceed the context of {rng_range.n_ctx_seq} tokens")
+        check_fits(len(prompt), cfg.max_tokens, rng_range.n_ctx_seq)
         rng = np.random.default_rng(cfg.seed)
         t0 = time.perf_counter()
         out = None
