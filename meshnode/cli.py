@@ -46,8 +46,13 @@ def _model(ns: argparse.Namespace) -> Path:
 
 def _exec_config(ns: argparse.Namespace) -> ExecConfig:
     base = ExecConfig()
+    ctx = ns.ctx_size or 0
+    sessions = ns.max_sessions or base.max_sessions
+    if not 0 <= ctx or ctx * sessions >= 1 << 31:  # llama.cpp's n_ctx is a uint32 of all sessions' cells
+        raise errors.InputError(f"--ctx-size must be a number of tokens >= 1 (0 = the default), not {ctx}")
     return ExecConfig(
-        max_sessions=ns.max_sessions or base.max_sessions,
+        n_ctx_per_session=ctx,
+        max_sessions=sessions,
         n_threads=ns.threads or base.n_threads,
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
         inline_decode=not getattr(ns, "decode_on_worker", False),
@@ -64,6 +69,9 @@ def _add_exec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="llama.cpp threads for decode (default: cores/2)")
     p.add_argument("--threads-batch", type=int, help="llama.cpp threads for prefill (default: cores)")
     p.add_argument("--max-sessions", type=int, help="concurrent sessions (KV sequences), default 4")
+    p.add_argument("--ctx-size", type=int, metavar="TOKENS",
+                   help="context of each session, prompt + output (default: the model's training context, "
+                        "less if the KV cache of all sessions would take over a quarter of the available memory)")
     p.add_argument("--decode-on-worker", action="store_true",
                    help="hand single-token decode steps to the llama.cpp worker thread too (default: they run "
                         "on the data-plane loop's thread, two thread wake-ups less per step)")

@@ -178,7 +178,7 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
         endpoints: list[str] = []
 
         def cap() -> pb.Capability:
-            return capability(artifact, config.executor, config.limits, ident, hardware=hw, throughput=tput,
+            return capability(artifact, executor.config, config.limits, ident, hardware=hw, throughput=tput,
                               endpoints=endpoints)
 
         # the data plane (grpc.aio, sessions, the executor's waiters) runs on an asyncio loop of its own

@@ -203,9 +203,11 @@ class Numerics(_message.Message):
     N_UBATCH_FIELD_NUMBER: _builtins.int
     FLASH_ATTN_FIELD_NUMBER: _builtins.int
     n_ctx_per_session: _builtins.int
-    """KV cells per session (llama.cpp n_ctx_seq)"""
+    """KV cells per session (llama.cpp n_ctx_seq, --ctx-size); a limit, not"""
     n_batch: _builtins.int
-    """max tokens per llama_decode (prefill chunk)"""
+    """compared between hops: a route's context is its smallest hop's
+    max tokens per llama_decode (prefill chunk)
+    """
     n_ubatch: _builtins.int
     """physical micro-batch"""
     flash_attn: _builtins.bool

@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from meshnode import errors
+from meshnode.executor.context import check_fits
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import verify_attestation
 from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_control, sign_route
@@ -316,11 +317,11 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
     prompt = await tokenize(peers[-1], cfg.prompt)  # the tail carries the vocabulary
     if not prompt:
         raise errors.InputError("the prompt tokenizes to nothing")
-    if len(prompt) + cfg.max_tokens > caps[0].numerics.n_ctx_per_session:
-        raise errors.InputError(
-            f"prompt ({len(prompt)} tokens) + --max-tokens ({cfg.max_tokens}) exceed the session "
-            f"context of {caps[0].numerics.n_ctx_per_session} tokens"
-        )
+    # the route's context is its smallest hop's (hops may differ: it is not a numerics setting)
+    ctx, smallest = min((c.numerics.n_ctx_per_session, p) for p, c in zip(peers, caps, strict=True))
+    check_fits(len(prompt), cfg.max_tokens, ctx, where=f" of hop {smallest}, the route's smallest")
+    spare_caps = {e: c for e, c in spare_caps.items()
+                  if c.numerics.n_ctx_per_session >= len(prompt) + cfg.max_tokens}
     rs = RouteSession(peers, caps, cfg, ident)
     try:
         await rs.open()

@@ -10,22 +10,22 @@ import numpy as np
 from meshnode import errors
 from meshnode.executor._llama import LlamaRange
 from meshnode.executor.config import ExecConfig
-from meshnode.gguf import ensure_range, inspect_model
+from meshnode.executor.context import check_fits
+from meshnode.gguf.slicer import whole_model
 from meshnode.session.initiator import GenerateConfig, GenerationResult
 from meshnode.session.sampling import sample
 
 
 def generate_local(model: Path, cfg: GenerateConfig, exec_cfg: ExecConfig) -> GenerationResult:
-    info = inspect_model(model)
-    rng_range = LlamaRange(ensure_range(model, 0, info.n_layer), ExecConfig(**{**exec_cfg.__dict__, "max_sessions": 1}))
+    # the source file as it is: no cut, no hashing (nothing is attested here), metadata only read
+    rng_range = LlamaRange(whole_model(model), ExecConfig(**{**exec_cfg.__dict__, "max_sessions": 1}))
     try:
         vocab = rng_range.vocab
         assert vocab is not None
         prompt = vocab.tokenize(cfg.prompt)
         if not prompt:
             raise errors.InputError("the prompt tokenizes to nothing")
-        if len(prompt) + cfg.max_tokens > rng_range.n_ctx_seq:
-            raise errors.InputError(f"prompt + --max-tokens exceed the context of {rng_range.n_ctx_seq} tokens")
+        check_fits(len(prompt), cfg.max_tokens, rng_range.n_ctx_seq)
         rng = np.random.default_rng(cfg.seed)
         t0 = time.perf_counter()
         out = None
