@@ -23,6 +23,7 @@ from meshnode.executor.config import ExecConfig
 from meshnode.proto import node_pb2 as pb
 
 if TYPE_CHECKING:
+    from meshnode.executor.sampler import SamplingParams
     from meshnode.runtime import Running
 
 
@@ -158,23 +159,26 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from meshnode.session.initiator import GenerateConfig, generate
+    from meshnode.session.initiator import GenerateConfig, check_generate, generate
 
     if ns.max_tokens < 1:
         raise errors.InputError("--max-tokens must be at least 1")
-    if not ns.temperature >= 0 or ns.temperature == float("inf"):  # NaN fails the first test
-        raise errors.InputError(f"--temperature must be a finite number >= 0, not {ns.temperature}")
     if ns.rejoin_wait < 0:
         raise errors.InputError("--rejoin-wait must be >= 0")
-    cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,
+    sampling, drawn = _sampling(ns)
+    cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, sampling=sampling, stop=tuple(ns.stop),
                          wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
                          rejoin_wait=ns.rejoin_wait)
+    check_generate(cfg)
     if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
         raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
     if ns.mesh and not (ns.mdns or ns.tracker):
         raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR and/or --tracker URL")
     if ns.spare and not ns.peer:
         raise errors.InputError("--spare goes with --peer (with --mesh every other peer found is a spare)")
+    if drawn:  # on stderr: stdout stays the text (or the one JSON object)
+        print(f"meshnode: sampling with seed {sampling.seed} (repeat this run with --seed {sampling.seed})",
+              file=sys.stderr, flush=True)
     on_token = _stream_printer(ns.json) if ns.stream else None
     if ns.peer or ns.mesh:
         async def main() -> object:
@@ -196,14 +200,30 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         from meshnode.session.local import generate_local
 
         silence_llama_logs()
-        result = generate_local(_model(ns), cfg, _exec_config(ns))
-    _print_result(result, ns.json, streamed=on_token is not None and bool(ns.peer or ns.mesh))
+        result = generate_local(_model(ns), cfg, _exec_config(ns), on_token=on_token)
+    _print_result(result, ns.json, streamed=on_token is not None)
     return 0
 
 
-def _stream_printer(as_json: bool) -> Callable[[int, bytes], None]:
-    """--stream: each token as it arrives (a JSON line each with --json, else the text)."""
-    def show(token: int, piece: bytes) -> None:
+def _sampling(ns: argparse.Namespace) -> tuple[SamplingParams, bool]:
+    """The sampling flags, checked (one-line InputErrors naming the flag); True: the seed was drawn."""
+    from meshnode.session.sampling import SamplingParams, check_sampling, with_seed
+
+    p = SamplingParams(temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
+                       typical_p=ns.typical_p, repeat_penalty=ns.repeat_penalty,
+                       frequency_penalty=ns.frequency_penalty, presence_penalty=ns.presence_penalty,
+                       seed=ns.seed if ns.seed is not None else 0)
+    try:
+        check_sampling(p)
+    except errors.InputError as e:  # "top_p must be ..." -> "--top-p must be ..."
+        name = e.message.split(" ", 1)[0]
+        raise errors.InputError(f"--{name.replace('_', '-')} {e.message.split(' ', 1)[1]}") from None
+    return with_seed(p, ns.seed)
+
+
+def _stream_printer(as_json: bool) -> Callable[[int | None, bytes], None]:
+    """--stream: the text as it is released (a JSON line per token with --json; token null: the last of it)."""
+    def show(token: int | None, piece: bytes) -> None:
         if as_json:
             print(json.dumps({"token": token, "piece": piece.decode("utf-8", errors="replace")}), flush=True)
         else:
@@ -226,7 +246,7 @@ def _print_result(result: object, as_json: bool, streamed: bool = False) -> None
             "decode_tokens_per_second": (
                 round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
             ),
-            "failovers": result.failovers,
+            "failovers": result.failovers, "seed": result.seed,
         }))
     elif streamed:
         print()  # the text went out token by token
@@ -384,8 +404,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
     gen.add_argument("--prompt", required=True, help="raw completion text")
     gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--seed", type=int, default=0)
+    # Sampling: llama.cpp's chain as Llama.create_completion builds it, with its defaults — except
+    # the temperature, 0 (greedy) here: `generate` is how a route is checked against the whole
+    # model, and a README run prints the text it shows. --temperature 0.8 is Llama's default.
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 = greedy (default); > 0 samples (Llama's default is 0.8)")
+    gen.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0 = off; default 40)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus cut-off in [0, 1] (1 = off; default 0.95)")
+    gen.add_argument("--min-p", type=float, default=0.05,
+                     help="drop tokens below this x the top probability, in [0, 1] (0 = off; default 0.05)")
+    gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling in [0, 1] (1 = off)")
+    gen.add_argument("--repeat-penalty", type=float, default=1.0,
+                     help="> 0: penalize tokens seen in the last 64 generated (1 = off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract count x this (0 = off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this once seen (0 = off)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the text before the first occurrence of TEXT (repeat for several)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="the sampler's seed, 0..4294967294 (default: a random one, printed on stderr)")
     gen.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                      help="residual dtype on the wire; f16 is NOT bit-exact")
     gen.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",

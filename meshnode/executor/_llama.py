@@ -72,6 +72,8 @@ class Vocab:
         stack.callback(llama_cpp.llama_model_free, model)
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_tokens = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        #: the BOS token id, -1 (LLAMA_TOKEN_NULL) if the vocabulary has none
+        self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """As llama.cpp does by default: BOS if the vocab wants it, specials parsed."""

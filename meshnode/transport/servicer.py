@@ -191,7 +191,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node's range carries no vocabulary")
         assert vocab is not None
         return pb.TokenizeReply(tokens=vocab.tokenize(request.text, add_special=request.add_special,
-                                                      parse_special=request.parse_special))
+                                                      parse_special=request.parse_special), bos_token=vocab.bos)
 
     async def _authorize(self, context: Any, env: pb.SignedEnvelope, sid: str, action: str, work: str) -> None:
         """Only the session's initiator may release or cancel it (PERMISSION_DENIED otherwise)."""
