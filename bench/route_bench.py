@@ -109,7 +109,7 @@ async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_token
     from meshnode.wire import codec
     from meshnode.wire.tensors import encode_bundle
 
-    rs = RouteSession(peers, caps, GenerateConfig(prompt="", max_tokens=n_tokens, temperature=0.0))
+    rs = RouteSession(peers, caps, GenerateConfig(prompt="", max_tokens=n_tokens))
     try:
         await rs.open()
         chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)

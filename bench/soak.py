@@ -121,6 +121,7 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
     from meshnode import errors
     from meshnode.identity import NodeIdentity
     from meshnode.session.initiator import GenerateConfig, generate
+    from meshnode.session.sampling import GREEDY, SamplingParams
     from meshnode.transport.aiothread import AioThread, open_aio_thread
     from meshnode.transport.client import health
 
@@ -137,8 +138,8 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
         rng = random.Random(ns.seed * 1000 + k)
         while time.monotonic() < deadline:  # no new session after the deadline
             greedy = rng.random() < 0.5
-            cfg = GenerateConfig(prompt=rng.choice(PROMPTS), max_tokens=rng.randint(32, 64),
-                                 temperature=0.0 if greedy else 0.8, seed=rng.randrange(1 << 30))
+            sampling = GREEDY if greedy else SamplingParams(seed=rng.randrange(1 << 30))  # Llama's defaults
+            cfg = GenerateConfig(prompt=rng.choice(PROMPTS), max_tokens=rng.randint(32, 64), sampling=sampling)
             try:
                 result = await aio.run(generate, peers, cfg, ident)
             except errors.MeshnodeError as e:

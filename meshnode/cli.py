@@ -14,13 +14,17 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from meshnode import __version__, errors
 from meshnode.executor.config import ExecConfig
 from meshnode.proto import node_pb2 as pb
+
+if TYPE_CHECKING:
+    from meshnode.executor.sampler import SamplingParams
+    from meshnode.runtime import Running
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -43,18 +47,32 @@ def _model(ns: argparse.Namespace) -> Path:
 
 def _exec_config(ns: argparse.Namespace) -> ExecConfig:
     base = ExecConfig()
+    ctx = ns.ctx_size or 0
+    sessions = ns.max_sessions or base.max_sessions
+    if not 0 <= ctx or ctx * sessions >= 1 << 31:  # llama.cpp's n_ctx is a uint32 of all sessions' cells
+        raise errors.InputError(f"--ctx-size must be a number of tokens >= 1 (0 = the default), not {ctx}")
     return ExecConfig(
-        max_sessions=ns.max_sessions or base.max_sessions,
+        n_ctx_per_session=ctx,
+        max_sessions=sessions,
         n_threads=ns.threads or base.n_threads,
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
         inline_decode=not getattr(ns, "decode_on_worker", False),
     )
 
 
+def _add_node_choice(p: argparse.ArgumentParser, which: str) -> None:
+    p.add_argument("--state-dir", help=f"{which} running with this state dir")
+    p.add_argument("--listen", action="append", default=[], metavar="HOST:PORT",
+                   help=f"{which} started with (or bound to) this address, under the default state dir (repeat)")
+
+
 def _add_exec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="llama.cpp threads for decode (default: cores/2)")
     p.add_argument("--threads-batch", type=int, help="llama.cpp threads for prefill (default: cores)")
     p.add_argument("--max-sessions", type=int, help="concurrent sessions (KV sequences), default 4")
+    p.add_argument("--ctx-size", type=int, metavar="TOKENS",
+                   help="context of each session, prompt + output (default: the model's training context, "
+                        "less if the KV cache of all sessions would take over a quarter of the available memory)")
     p.add_argument("--decode-on-worker", action="store_true",
                    help="hand single-token decode steps to the llama.cpp worker thread too (default: they run "
                         "on the data-plane loop's thread, two thread wake-ups less per step)")
@@ -141,23 +159,26 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from meshnode.session.initiator import GenerateConfig, generate
+    from meshnode.session.initiator import GenerateConfig, check_generate, generate
 
     if ns.max_tokens < 1:
         raise errors.InputError("--max-tokens must be at least 1")
-    if not ns.temperature >= 0 or ns.temperature == float("inf"):  # NaN fails the first test
-        raise errors.InputError(f"--temperature must be a finite number >= 0, not {ns.temperature}")
     if ns.rejoin_wait < 0:
         raise errors.InputError("--rejoin-wait must be >= 0")
-    cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,
+    sampling, drawn = _sampling(ns)
+    cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, sampling=sampling, stop=tuple(ns.stop),
                          wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
                          rejoin_wait=ns.rejoin_wait)
+    check_generate(cfg)
     if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
         raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
     if ns.mesh and not (ns.mdns or ns.tracker):
         raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR and/or --tracker URL")
     if ns.spare and not ns.peer:
         raise errors.InputError("--spare goes with --peer (with --mesh every other peer found is a spare)")
+    if drawn:  # on stderr: stdout stays the text (or the one JSON object)
+        print(f"meshnode: sampling with seed {sampling.seed} (repeat this run with --seed {sampling.seed})",
+              file=sys.stderr, flush=True)
     on_token = _stream_printer(ns.json) if ns.stream else None
     if ns.peer or ns.mesh:
         async def main() -> object:
@@ -179,14 +200,30 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         from meshnode.session.local import generate_local
 
         silence_llama_logs()
-        result = generate_local(_model(ns), cfg, _exec_config(ns))
-    _print_result(result, ns.json, streamed=on_token is not None and bool(ns.peer or ns.mesh))
+        result = generate_local(_model(ns), cfg, _exec_config(ns), on_token=on_token)
+    _print_result(result, ns.json, streamed=on_token is not None)
     return 0
 
 
-def _stream_printer(as_json: bool) -> Callable[[int, bytes], None]:
-    """--stream: each token as it arrives (a JSON line each with --json, else the text)."""
-    def show(token: int, piece: bytes) -> None:
+def _sampling(ns: argparse.Namespace) -> tuple[SamplingParams, bool]:
+    """The sampling flags, checked (one-line InputErrors naming the flag); True: the seed was drawn."""
+    from meshnode.session.sampling import SamplingParams, check_sampling, with_seed
+
+    p = SamplingParams(temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
+                       typical_p=ns.typical_p, repeat_penalty=ns.repeat_penalty,
+                       frequency_penalty=ns.frequency_penalty, presence_penalty=ns.presence_penalty,
+                       seed=ns.seed if ns.seed is not None else 0)
+    try:
+        check_sampling(p)
+    except errors.InputError as e:  # "top_p must be ..." -> "--top-p must be ..."
+        name = e.message.split(" ", 1)[0]
+        raise errors.InputError(f"--{name.replace('_', '-')} {e.message.split(' ', 1)[1]}") from None
+    return with_seed(p, ns.seed)
+
+
+def _stream_printer(as_json: bool) -> Callable[[int | None, bytes], None]:
+    """--stream: the text as it is released (a JSON line per token with --json; token null: the last of it)."""
+    def show(token: int | None, piece: bytes) -> None:
         if as_json:
             print(json.dumps({"token": token, "piece": piece.decode("utf-8", errors="replace")}), flush=True)
         else:
@@ -209,7 +246,7 @@ def _print_result(result: object, as_json: bool, streamed: bool = False) -> None
             "decode_tokens_per_second": (
                 round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
             ),
-            "failovers": result.failovers,
+            "failovers": result.failovers, "seed": result.seed,
         }))
     elif streamed:
         print()  # the text went out token by token
@@ -254,32 +291,44 @@ def cmd_peers(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _state(ns: argparse.Namespace) -> Path:
+def _targets(ns: argparse.Namespace, *, every: bool) -> Callable[[], list[Running]]:
+    """The nodes ``leave``/``status`` name (membership.select), found anew at each call."""
+    from meshnode.membership import select
     from meshnode.paths import state_dir
 
-    return Path(ns.state_dir) if ns.state_dir else state_dir()
+    explicit = Path(ns.state_dir) if ns.state_dir else None
+    return lambda: select(state_dir(), explicit, ns.listen, every=every)
 
 
 def cmd_leave(ns: argparse.Namespace) -> int:
     from meshnode.membership import leave
 
-    doc = leave(_state(ns), ns.timeout)
-    print(f"meshnode: node {doc.get('node_id')} (layers {doc.get('layers')}) has left")
+    if ns.all and (ns.state_dir or ns.listen):
+        raise errors.InputError("give --all (every node under the default state dir) or --state-dir/--listen")
+    for r in leave(_targets(ns, every=ns.all)(), ns.timeout):
+        info = r.info or {}
+        print(f"meshnode: node {info.get('node_id', '?')} (layers {info.get('layers', '?')}, "
+              f"{info.get('endpoint', 'starting')}) has left")
     return 0
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from meshnode.membership import status
+    from meshnode.membership import status, wait_serving
 
-    doc = status(_state(ns))
+    targets = _targets(ns, every=True)
+    doc = status(wait_serving(targets, ns.wait) if ns.wait is not None else targets())
     if ns.json:
         print(json.dumps(doc))
         return 0
-    n = doc["node"]
-    print(f"node {n['node_id']}  {n['endpoint']}  layers {n['range'][0]}:{n['range'][1]} ({n['role']})  "
-          f"{'serving' if n['serving'] else 'draining'}  sessions {n['live_sessions']} live / "
-          f"{n['free_sessions']} free")
-    print(f"{'peer':<36} {'endpoint':<22} {'layers':<8} {'role':<7} {'alive':<6} sessions  tok/s")
+    for n in doc["nodes"]:
+        if n.get("starting") or n.get("error"):
+            print(f"node (pid {n['pid']})  {n.get('error') or 'starting'}  state dir {n['state_dir']}")
+            continue
+        print(f"node {n['node_id']}  {n['endpoint']}  layers {n['range'][0]}:{n['range'][1]} ({n['role']})  "
+              f"{'serving' if n['serving'] else 'draining'}  sessions {n['live_sessions']} live / "
+              f"{n['free_sessions']} free  state dir {n['state_dir']}")
+    if doc["peers"]:
+        print(f"{'peer':<36} {'endpoint':<22} {'layers':<8} {'role':<7} {'alive':<6} sessions  tok/s")
     for p in doc["peers"]:
         print(f"{p['node_id']:<36} {(p['endpoints'] or ['-'])[0]:<22} {p['range'][0]}:{p['range'][1]:<5} "
               f"{p['role']:<7} {'yes' if p['alive'] else 'no':<6} {p['live_sessions']}/{p['free_sessions']:<7} "
@@ -355,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", help="source GGUF file (default: the default model)")
         p.add_argument("--layers", help="A:B, layers A..B-1")
         p.add_argument("--listen", help="HOST:PORT (port 0 = any free port; default 127.0.0.1:0)")
-        p.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
+        p.add_argument("--state-dir", help="where the node key and lock live (default: ~/.local/state/meshnode, "
+                                           "or its nodes/HOST_PORT for a fixed --listen port)")
         p.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
         p.add_argument("--tracker", metavar="URL", help="register with this tracker (http://HOST:PORT)")
         p.add_argument("--heartbeat", type=float, help="seconds between tracker heartbeats (default 10)")
@@ -367,12 +417,15 @@ def build_parser() -> argparse.ArgumentParser:
         _add_exec_flags(p)
         p.set_defaults(func=cmd_serve, join=name == "join")
 
-    lv = sub.add_parser("leave", help="drain the local node and take it out of the mesh (exit 0 once gone)")
-    lv.add_argument("--state-dir", help="the node's state dir (default: ~/.local/state/meshnode)")
+    lv = sub.add_parser("leave", help="drain a local node and take it out of the mesh (exit 0 once gone)")
+    _add_node_choice(lv, "the node")
+    lv.add_argument("--all", action="store_true", help="every node running under the default state dir")
     lv.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to be gone")
     lv.set_defaults(func=cmd_leave)
-    st = sub.add_parser("status", help="the local node's view of the mesh")
-    st.add_argument("--state-dir", help="the node's state dir (default: ~/.local/state/meshnode)")
+    st = sub.add_parser("status", help="the local nodes (all those under the default state dir) and their mesh")
+    _add_node_choice(st, "only the node")
+    st.add_argument("--wait", type=float, metavar="SECONDS",
+                    help="wait up to SECONDS until the nodes named (at least one) serve")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
@@ -386,8 +439,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
     gen.add_argument("--prompt", required=True, help="raw completion text")
     gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--seed", type=int, default=0)
+    # Sampling: llama.cpp's chain as Llama.create_completion builds it, with its defaults — except
+    # the temperature, 0 (greedy) here: `generate` is how a route is checked against the whole
+    # model, and a README run prints the text it shows. --temperature 0.8 is Llama's default.
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 = greedy (default); > 0 samples (Llama's default is 0.8)")
+    gen.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0 = off; default 40)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus cut-off in [0, 1] (1 = off; default 0.95)")
+    gen.add_argument("--min-p", type=float, default=0.05,
+                     help="drop tokens below this x the top probability, in [0, 1] (0 = off; default 0.05)")
+    gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling in [0, 1] (1 = off)")
+    gen.add_argument("--repeat-penalty", type=float, default=1.0,
+                     help="> 0: penalize tokens seen in the last 64 generated (1 = off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract count x this (0 = off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this once seen (0 = off)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the text before the first occurrence of TEXT (repeat for several)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="the sampler's seed, 0..4294967294 (default: a random one, printed on stderr)")
     gen.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                      help="residual dtype on the wire; f16 is NOT bit-exact")
     gen.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",

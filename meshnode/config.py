@@ -10,6 +10,7 @@
     heartbeat = 10.0
     drain_timeout = 30.0
     max_sessions = 4
+    ctx_size = 8192             # tokens per session, prompt + output (default: the model's training context)
     threads = 1
     threads_batch = 2
     metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
@@ -39,6 +40,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "heartbeat": (float, 10.0),
     "drain_timeout": (float, 30.0),
     "max_sessions": (int, 0),
+    "ctx_size": (int, 0),
     "threads": (int, 0),
     "threads_batch": (int, 0),
     "metrics": (str, None),

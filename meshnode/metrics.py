@@ -1,87 +1,75 @@
-"""Prometheus metrics of a node, in the text exposition format (version 0.0.4).
+"""Prometheus metrics of a node, kept and rendered by ``prometheus_client``.
 
-A deliberately small registry: counters, gauges and one histogram, with
-labels; rendered on ``GET /metrics`` of the node's ``--metrics`` listener.
-Updated from the session code on the event-loop thread only.
+Each node has its own ``CollectorRegistry`` (never the process-global one:
+several nodes may run in one test process). The session code updates the
+metrics on the data plane's asyncio thread; ``GET /metrics`` of the node's
+``--metrics`` listener renders them on the trio thread. prometheus_client
+guards every value with a lock, so no hop between the two threads is needed.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.exposition import choose_encoder
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from meshnode.httpserve import asgi_app
 
 #: step latency buckets, seconds
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-def _labels(labels: tuple[tuple[str, str], ...]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                     for k, v in labels)
-    return "{" + inner + "}"
-
-
-@dataclass
-class Metric:
-    name: str
-    help: str
-    kind: str  # counter | gauge
-    values: dict[tuple[tuple[str, str], ...], float] = field(default_factory=lambda: defaultdict(float))
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self.values[tuple(sorted(labels.items()))] += amount
-
-    def set(self, value: float, **labels: str) -> None:
-        self.values[tuple(sorted(labels.items()))] = value
-
-    #: a gauge read when rendered (its value is never stale)
-    source: Callable[[], float] | None = None
-
-    def render(self) -> list[str]:
-        if self.source is not None:
-            self.set(self.source())
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        out += [f"{self.name}{_labels(k)} {v:g}" for k, v in sorted(self.values.items())] or [f"{self.name} 0"]
-        return out
-
-
-@dataclass
-class Histogram:
-    name: str
-    help: str
-    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-        self.total += seconds
-
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        acc = 0
-        for le, n in zip((*BUCKETS, float("inf")), self.counts, strict=True):
-            acc += n
-            out.append(f'{self.name}_bucket{{le="{"+Inf" if le == float("inf") else f"{le:g}"}"}} {acc}')
-        out += [f"{self.name}_sum {self.total:g}", f"{self.name}_count {acc}"]
-        return out
-
-
 class NodeMetrics:
-    def __init__(self, live_sessions: Callable[[], float] | None = None) -> None:
-        self.sessions_open = Metric("meshnode_sessions_open", "Route sessions holding KV state on this node", "gauge",
-                                    source=live_sessions)
-        self.sessions = Metric("meshnode_sessions_total", "Route sessions accepted", "counter")
-        self.tokens = Metric("meshnode_tokens_total", "Token positions executed, by kind (prefill|decode)", "counter")
-        self.steps = Histogram("meshnode_step_seconds", "Time from receiving a step to having its result")
-        self.bytes_in = Metric("meshnode_bytes_in_total", "Session stream bytes received", "counter")
-        self.bytes_out = Metric("meshnode_bytes_out_total", "Session stream bytes sent", "counter")
-        self.errors = Metric("meshnode_errors_total", "Errors answered, by error code", "counter")
+    """The node's metrics (names and labels are what dashboards query: keep them stable)."""
 
-    def render(self) -> str:
-        parts: list[Metric | Histogram] = [
-            self.sessions_open, self.sessions, self.tokens, self.steps, self.bytes_in, self.bytes_out, self.errors
-        ]
-        return "\n".join(line for m in parts for line in m.render()) + "\n"
+    def __init__(self, live_sessions: Callable[[], float] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.sessions_open = Gauge("meshnode_sessions_open", "Route sessions holding KV state on this node",
+                                   registry=reg)
+        if live_sessions is not None:
+            self.sessions_open.set_function(live_sessions)  # read when scraped: never stale
+        self.sessions = Counter("meshnode_sessions_total", "Route sessions accepted", registry=reg)
+        self.tokens = Counter("meshnode_tokens_total", "Token positions executed, by kind (prefill|decode)",
+                              ["kind"], registry=reg)
+        self.steps = Histogram("meshnode_step_seconds", "Time from receiving a step to having its result",
+                               buckets=BUCKETS, registry=reg)
+        self.bytes_in = Counter("meshnode_bytes_in_total", "Session stream bytes received", registry=reg)
+        self.bytes_out = Counter("meshnode_bytes_out_total", "Session stream bytes sent", registry=reg)
+        self.errors = Counter("meshnode_errors_total", "Errors answered, by error code", ["code"], registry=reg)
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition (text format, or OpenMetrics if ``accept`` asks for it) and its content type."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
+
+    def tokens_total(self) -> int:
+        return int(_sum(self.tokens, "_total"))
+
+    def errors_total(self) -> int:
+        return int(_sum(self.errors, "_total"))
+
+    def step_seconds_mean(self) -> float:
+        """Mean of the observed step latencies (0.0 before the first step)."""
+        n = _sum(self.steps, "_count")
+        return _sum(self.steps, "_sum") / n if n else 0.0
+
+    def asgi(self) -> Starlette:
+        """``GET /metrics``: the ASGI app the node's ``--metrics`` listener serves."""
+
+        async def scrape(request: Request) -> Response:
+            body, content_type = self.render(request.headers.get("accept", ""))
+            return Response(body, media_type=content_type)
+
+        return asgi_app([Route("/metrics", scrape, methods=["GET"])])
+
+
+def _sum(metric: Counter | Histogram, suffix: str) -> float:
+    """The sum over all label sets of one metric's samples named ``<name><suffix>``."""
+    return sum(s.value for family in metric.collect() for s in family.samples if s.name.endswith(suffix))

@@ -7,9 +7,7 @@ through ``task_status.started`` once the node really serves.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -27,12 +25,11 @@ from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
 from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
-from meshnode.httpmini import Handler, Request, Response, serve_http
+from meshnode.httpserve import serve_asgi
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import attest
-from meshnode.metrics import NodeMetrics
-from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
+from meshnode.runtime import RuntimeDir, node_state_dir
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
 from meshnode.session.hop import HopLimits
 from meshnode.transport.aiothread import AioThread, open_aio_thread
@@ -58,7 +55,7 @@ class NodeConfig:
     executor: ExecConfig = field(default_factory=ExecConfig)
     #: per-session bounds this node proposes
     limits: HopLimits = field(default_factory=HopLimits)
-    #: where the node's key lives (None: the default state directory)
+    #: where the node's key, lock and node.json live (None: runtime.node_state_dir picks one)
     state_dir: Path | None = None
     #: advertise and browse over mDNS on this interface address (None: no mDNS)
     mdns_interface: str | None = None
@@ -158,11 +155,22 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
     sessions still live then are cut, and their KV freed before the
     executor closes.
     """
-    sdir = config.state_dir or state_dir()
-    ident = await trio.to_thread.run_sync(load_or_create, sdir)
-    runtime = RuntimeFile(sdir)
-    runtime.claim()
+    host, port = split_hostport(config.listen)
+    sdir, hint = node_state_dir(config.state_dir, host, port)
+    # the flags' and the model's own checks answer before the state dir's lock does
     artifact = await trio.to_thread.run_sync(prepare_verified, config)
+    runtime = RuntimeDir(sdir)
+    await trio.to_thread.run_sync(functools.partial(runtime.claim, hint=hint))
+    try:
+        ident = await trio.to_thread.run_sync(load_or_create, sdir)
+        await _serve(config, artifact, ident, runtime, stop, task_status)
+    finally:
+        runtime.release()
+
+
+async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentity, runtime: RuntimeDir,
+                 stop: trio.Event | None, task_status: trio.TaskStatus[str]) -> None:
+    """``run_node`` once the state dir is held: load the range, serve, drain."""
     executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
     try:
         hw = await trio.to_thread.run_sync(hardware)
@@ -170,7 +178,7 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
         endpoints: list[str] = []
 
         def cap() -> pb.Capability:
-            return capability(artifact, config.executor, config.limits, ident, hardware=hw, throughput=tput,
+            return capability(artifact, executor.config, config.limits, ident, hardware=hw, throughput=tput,
                               endpoints=endpoints)
 
         # the data plane (grpc.aio, sessions, the executor's waiters) runs on an asyncio loop of its own
@@ -184,12 +192,13 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             metrics_url = None
             if config.metrics:
                 mhost, mport = split_hostport(config.metrics)
-                bound = await nursery.start(serve_http, _metrics_handler(servicer.metrics, aio), mhost, mport)
+                bound = await nursery.start(serve_asgi, servicer.metrics.asgi(), mhost, mport)
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)
             await _announce(nursery, config, ident, servicer, aio, addr)
-            runtime.write(node_id=ident.node_id, endpoint=addr, layers=f"{artifact.start}:{artifact.end}",
-                          tracker=config.tracker, mdns=config.mdns_interface, metrics=metrics_url)
+            runtime.write(node_id=ident.node_id, listen=config.listen, endpoint=addr,
+                          layers=f"{artifact.start}:{artifact.end}", tracker=config.tracker,
+                          mdns=config.mdns_interface, metrics=metrics_url)
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
             notify("READY=1")
             interval = watchdog_interval()
@@ -203,7 +212,6 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             with trio.CancelScope(shield=True):
                 await _settle(executor)
     finally:
-        runtime.remove()
         executor.close()
 
 
@@ -220,16 +228,6 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
     if config.tracker:
         await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: servicer.capability,
                                               servicer.health, interval=config.heartbeat))
-
-
-def _metrics_handler(metrics: NodeMetrics, aio: AioThread) -> Handler:
-    async def handle(req: Request) -> Response:
-        if req.method == "GET" and req.path == "/metrics":
-            text = await aio.call(metrics.render)  # the metrics are the data plane's: read them on its thread
-            return Response(200, text.encode(), "text/plain; version=0.0.4")
-        return Response.json({"error": "NOT_FOUND"}, 404)
-
-    return handle
 
 
 async def _sweep_detached(servicer: NodeServicer, aio: AioThread, every: float = 1.0) -> None:
@@ -264,35 +262,3 @@ async def _settle(executor: RangeExecutor, timeout: float = 8.0) -> None:
         while executor.live_slots:  # noqa: ASYNC110 (as in _drain)
             await trio.sleep(0.05)
     log.info("left: %d sessions hold KV", executor.live_slots)
-
-
-class RuntimeFile:
-    """``<state dir>/node.json`` while a node runs: its pid and endpoint, for ``leave`` and ``status``."""
-
-    def __init__(self, sdir: Path) -> None:
-        self.path = sdir / "node.json"
-
-    def read(self) -> dict[str, object] | None:
-        try:
-            doc = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        pid = int(doc.get("pid", 0))
-        if pid <= 0 or not Path(f"/proc/{pid}").exists():
-            return None
-        return dict(doc)
-
-    def claim(self) -> None:
-        other = self.read()
-        if other is not None and other.get("pid") != os.getpid():
-            raise errors.InputError(f"a node (pid {other['pid']}) already runs with state dir {self.path.parent}")
-
-    def write(self, **info: object) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
-        tmp.replace(self.path)
-
-    def remove(self) -> None:
-        doc = self.read()
-        if doc is not None and doc.get("pid") == os.getpid():
-            self.path.unlink(missing_ok=True)

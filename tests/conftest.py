@@ -27,6 +27,19 @@ from meshnode.models import pull
 PROMPT = "The three primary colors are"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own XDG_STATE_HOME: a node or initiator the tests start without
+    --state-dir (and a default-state-dir test) never meets the user's own nodes and keys in
+    ~/.local/state/meshnode. Set before any fixture starts a node (autouse fixtures of a scope
+    come first); children inherit it. The model cache is the user's and is only read."""
+    home = tmp_path_factory.mktemp("state-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_STATE_HOME", str(home))
+        mp.delenv("STATE_DIRECTORY", raising=False)  # a test run from a systemd unit
+        yield home
+
+
 @pytest.fixture(scope="session")
 def model() -> Path:
     silence_llama_logs()

@@ -1063,7 +1063,8 @@ def open_case(kind: str, data: st.DataObject, fz: Fuzz, target: Node, closed: st
         o.range.start, o.range.end = d(st.tuples(st.integers(0, UINT32), st.integers(0, UINT32)).filter(
             lambda r: r != (target.cap.range.start, target.cap.range.end)))
     elif kind == "numerics":
-        name = d(st.sampled_from(["n_ctx_per_session", "n_batch", "n_ubatch", "flash_attn"]))
+        # n_ctx_per_session is a limit, not a numerics setting (executor/context.py): not compared
+        name = d(st.sampled_from(["n_batch", "n_ubatch", "flash_attn"]))
         if name == "flash_attn":
             o.numerics.flash_attn = not o.numerics.flash_attn
         else:

@@ -13,17 +13,27 @@ from meshnode.session.initiator import GenerateConfig, generate
 from tests.conftest import PROMPT, aio
 
 
-def test_exposition_format():
-    m = NodeMetrics()
-    m.tokens.inc(5, kind="prefill")
-    m.errors.inc(code="CHECKSUM_MISMATCH")
+def test_exposition_format_names_and_totals():
+    m = NodeMetrics(live_sessions=lambda: 3)
+    m.tokens.labels(kind="prefill").inc(5)
+    m.tokens.labels(kind="decode").inc()
+    m.errors.labels(code="CHECKSUM_MISMATCH").inc()
     m.steps.observe(0.004)
-    text = m.render()
-    assert '# TYPE meshnode_step_seconds histogram' in text
-    assert 'meshnode_tokens_total{kind="prefill"} 5' in text
-    assert 'meshnode_errors_total{code="CHECKSUM_MISMATCH"} 1' in text
-    assert 'meshnode_step_seconds_bucket{le="0.005"} 1' in text
-    assert 'meshnode_step_seconds_bucket{le="+Inf"} 1' in text
+    m.steps.observe(0.006)
+    body, content_type = m.render()
+    text = body.decode()
+    assert content_type.startswith("text/plain")
+    assert "# TYPE meshnode_step_seconds histogram" in text
+    assert 'meshnode_tokens_total{kind="prefill"} 5.0' in text
+    assert 'meshnode_errors_total{code="CHECKSUM_MISMATCH"} 1.0' in text
+    assert 'meshnode_step_seconds_bucket{le="0.005"} 1.0' in text
+    assert 'meshnode_step_seconds_bucket{le="+Inf"} 2.0' in text
+    assert "meshnode_sessions_open 3.0" in text  # read from the callback when rendered
+    assert "meshnode_sessions_total 0.0" in text
+    assert (m.tokens_total(), m.errors_total(), round(m.step_seconds_mean(), 6)) == (6, 1, 0.005)
+    assert NodeMetrics().step_seconds_mean() == 0.0
+    # each node has a registry of its own: a second one in this process neither clashes nor shares
+    assert NodeMetrics().tokens_total() == 0
 
 
 def _scrape(url: str) -> dict[str, float]:

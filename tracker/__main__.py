@@ -14,10 +14,12 @@ from pathlib import Path
 
 import trio
 
-from meshnode.httpmini import serve_http
+from meshnode import errors
+from meshnode.httpserve import serve_asgi
 from meshnode.paths import state_dir
 from meshnode.transport.server import split_hostport
 from tracker.app import Tracker
+from tracker.probe import run_prober
 from tracker.registry import Registry
 
 
@@ -37,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def run() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                bound = await nursery.start(serve_http, tracker.handle, host, port)
+                await nursery.start(run_prober, registry)  # tracker/probe.py: liveness and live counters
+                bound = await nursery.start(serve_asgi, tracker.asgi(), host, port)
                 print(f"meshnode-tracker: status page http://{host}:{bound}/ listening on {host}:{bound}", flush=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
@@ -45,6 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         trio.run(run)
+    except BaseExceptionGroup as group:  # trio nurseries wrap errors in groups: report the typed one
+        typed = errors.typed_leaf(group)
+        if typed is None:
+            raise
+        print(f"meshnode-tracker: error: {typed}", file=sys.stderr)
+        return 2 if isinstance(typed, errors.InputError) else 1
     finally:
         registry.close()
     return 0

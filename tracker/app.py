@@ -2,12 +2,14 @@
 
     POST /api/register   body: a SignedEnvelope(Advertisement), application/x-protobuf
     GET  /api/status     models (coverage map per layer) and nodes, as JSON
-    GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model
+    GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model (dead ones left out)
     GET  /               the status page (auto-refreshing, reads /api/status)
 
 Every registration is verified (signature, signer = node id, attestation,
 freshness, seq strictly newer); a forgery or replay is refused with 403 and
-the error code, and changes nothing.
+the error code, and changes nothing; a body over ``MAX_REGISTER_BODY`` is
+refused with 413 before it is read. Every other answer to a malformed request
+(bad framing, a huge head) is hypercorn's (``meshnode/httpserve.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
 from meshnode import errors
-from meshnode.httpmini import Request, Response
+from meshnode.httpserve import NO_STORE, asgi_app, error_response, json_response, read_body
 from meshnode.identity.advert import verify_advert
 from meshnode.proto import node_pb2 as pb
 from tracker import views
@@ -26,25 +33,33 @@ from tracker.registry import Registry
 
 log = logging.getLogger("meshnode.tracker")
 
+#: bytes a registration may carry (a SignedEnvelope(Advertisement) is a few kB)
+MAX_REGISTER_BODY = 64 * 1024
+#: every method reaches ``Tracker.handle``, which answers 404 for what it does not serve
+METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
+
 
 @dataclass
 class Tracker:
     registry: Registry
 
+    def asgi(self) -> Starlette:
+        """The ASGI app (served by ``meshnode.httpserve.serve_asgi``): every request goes to ``handle``."""
+        return asgi_app([Route("/{path:path}", self.handle, methods=METHODS)])
+
     async def handle(self, req: Request) -> Response:
-        route = (req.method, req.path)
+        route = (req.method, req.url.path)
         if route == ("POST", "/api/register"):
-            return self.register(req.body)
+            return self.register(await read_body(req, MAX_REGISTER_BODY))
         if route == ("GET", "/api/status"):
-            return Response.json(views.status(self._views()))
+            return json_response(views.status(self._views()))
         if route == ("GET", "/api/lookup"):
-            q = req.query.get("model", "")
-            return Response.json({"model": q, "nodes": [v for v in self._views() if views.matches(v, q)]})
+            return json_response(views.lookup(self._views(), req.query_params.get("model", "")))
         if route == ("GET", "/"):
-            return Response(200, PAGE.encode(), "text/html; charset=utf-8")
+            return HTMLResponse(PAGE, headers=NO_STORE)
         if route == ("GET", "/healthz"):
-            return Response.json({"ok": True})
-        return Response.json({"error": "NOT_FOUND", "message": f"no route {req.method} {req.path}"}, 404)
+            return json_response({"ok": True})
+        return error_response(404, "NOT_FOUND", f"no route {req.method} {req.url.path}")
 
     def register(self, body: bytes) -> Response:
         now = time.time()
@@ -54,12 +69,11 @@ class Tracker:
             ad = verify_advert(env, now=int(now), last_seq=self.registry.last_seq(node_id))
         except errors.MeshnodeError as e:
             log.warning("refused a registration: %s", e)
-            return Response.json({"error": e.code, "message": e.message}, 403)
+            return error_response(403, e.code, e.message)
         except Exception as e:  # protobuf DecodeError on garbage
-            return Response.json({"error": "PAYLOAD_CORRUPT", "message": f"not a signed advertisement: {e}"}, 400)
+            return error_response(400, "PAYLOAD_CORRUPT", f"not a signed advertisement: {e}")
         self.registry.register(env, ad, now)
-        return Response.json({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})
+        return json_response({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})
 
     def _views(self) -> list[dict[str, object]]:
-        now = time.time()
-        return [views.node_view(e, now, self.registry.ttl) for e in self.registry.live(now)]
+        return views.current(self.registry, time.time())  # judged with the prober's findings

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from meshnode import errors
 from meshnode.discovery.table import PeerEntry
-from meshnode.httpmini import request
+from meshnode.httpclient import request
 from meshnode.identity import NodeIdentity
 from meshnode.identity.advert import advertise, verify_advert
 from meshnode.proto import node_pb2 as pb

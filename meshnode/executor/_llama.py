@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from meshnode.errors import (
 )
 from meshnode.executor import _bindings
 from meshnode.executor.config import ExecConfig
+from meshnode.executor.context import resolve_ctx
 from meshnode.gguf.arch import POLICIES
 from meshnode.gguf.slicer import RangeArtifact, Role
 
@@ -73,6 +75,8 @@ class Vocab:
         self._chat: ChatFormat | None = None
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_tokens = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        #: the BOS token id, -1 (LLAMA_TOKEN_NULL) if the vocabulary has none
+        self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
 
     def meta(self, key: str) -> str | None:
         """A metadata value of the file as llama.cpp renders it to text (None: no such key)."""
@@ -173,7 +177,7 @@ class LlamaRange:
     def __init__(self, artifact: RangeArtifact, config: ExecConfig) -> None:
         _bindings.backend_init()
         self.artifact = artifact
-        self.config = config
+        self.config = resolve_ctx(config, artifact.range_path)
         self.role = artifact.role
         self._stack = contextlib.ExitStack()
         try:
@@ -236,6 +240,8 @@ class LlamaRange:
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch_threads = c.n_threads_batch
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))
+        if self.n_ctx_seq != c.n_ctx_per_session:  # llama.cpp rounds: advertise what it holds
+            self.config = dataclasses.replace(c, n_ctx_per_session=self.n_ctx_seq)
 
     def _batch(self, *, embd: int) -> llama_cpp.llama_batch:
         batch = llama_cpp.llama_batch_init(self.config.n_batch, embd, 1)
@@ -271,7 +277,8 @@ class LlamaRange:
                 f"0..{self._next_pos[seq] - 1}"
             )
         if pos0 + n > self.n_ctx_seq:
-            raise CapacityError(f"positions up to {pos0 + n} exceed the session context of {self.n_ctx_seq}")
+            raise InputError(f"positions up to {pos0 + n} exceed this node's session context of {self.n_ctx_seq} "
+                             "tokens: start it with a larger --ctx-size, or shorten the prompt")
 
     def forward(self, seq: int, pos0: int, *, tokens: npt.NDArray[np.int32] | None = None,
                 embd: F32 | None = None) -> StepOutput:

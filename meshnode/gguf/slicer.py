@@ -40,6 +40,7 @@ import numpy as np
 
 from meshnode.errors import ModelFormatError
 from meshnode.gguf.arch import check_cut, swa_layers
+from meshnode.gguf.meta import read_meta
 from meshnode.gguf.model import check_file, fingerprint, inspect_model, open_reader
 from meshnode.paths import cache_dir
 
@@ -217,19 +218,38 @@ def _write_vocab(src: gguf.GGUFReader, arch: str, out: Path) -> None:
     writer.close()
 
 
+def _sha256_at(fh: Any, offset: int, n: int, buf: memoryview) -> str:
+    h = hashlib.sha256()
+    fh.seek(offset)
+    while n:
+        got = fh.readinto(buf[: min(n, len(buf))])
+        if not got:
+            raise ModelFormatError(f"{fh.name} ended inside a tensor")
+        h.update(buf[:got])
+        n -= got
+    return h.hexdigest()
+
+
 def tensor_table(path: Path) -> dict[str, dict[str, Any]]:
-    """name -> {type, shape, sha256} for every tensor of a GGUF file."""
-    reader = open_reader(path)
-    return {
-        t.name: {
-            "type": t.tensor_type.name,
-            "shape": [int(x) for x in t.shape],
-            "sha256": tensor_sha256(t),
-            "offset": int(t.data_offset),
-            "n_bytes": int(t.n_bytes),
+    """name -> {type, shape, sha256, offset, n_bytes} for every tensor of a GGUF file.
+
+    The sha256 is of the tensor's bytes in the file (as ``tensor_sha256``); the
+    metadata is read with ``read_meta``, which skips the vocabulary arrays.
+    """
+    check_file(path)
+    meta = read_meta(path)
+    buf = memoryview(bytearray(1 << 20))
+    with path.open("rb", buffering=0) as fh:
+        return {
+            t.name: {
+                "type": t.type.name,
+                "shape": list(t.shape),
+                "sha256": _sha256_at(fh, t.offset, t.n_bytes, buf),
+                "offset": t.offset,
+                "n_bytes": t.n_bytes,
+            }
+            for t in meta.tensors
         }
-        for t in reader.tensors
-    }
 
 
 def artifact_dir(fp: str, start: int, end: int) -> Path:
@@ -258,6 +278,23 @@ def cached_range(source: Path, start: int, end: int) -> RangeArtifact | None:
     if not source.is_file():
         return None
     return _load(artifact_dir(fingerprint(source), start, end), source)
+
+
+def whole_model(source: Path) -> RangeArtifact:
+    """The whole model as a local, unattested artifact: the source file loaded as it is.
+
+    For running the whole model in this process (``generate --model``): no
+    manifest is written and no tensor is hashed, since nothing is attested to
+    a peer; llama.cpp loads the very file ``Llama(source)`` would.
+    """
+    info = inspect_model(source)
+    manifest = {
+        "format": MANIFEST_FORMAT, "slicer": SLICER_VERSION, "range": [0, info.n_layer], "role": Role.WHOLE.value,
+        "source": {"fingerprint": "", "name": info.name, "arch": info.arch, "n_layer": info.n_layer,
+                   "n_embd": info.n_embd, "file": str(source.resolve())},
+        "tensors": {}, "range_digest": "", "vocab_tensors": {},
+    }
+    return RangeArtifact(source.parent, source, None, manifest)
 
 
 def ensure_range(source: Path, start: int, end: int) -> RangeArtifact:

@@ -45,13 +45,18 @@ async def get_capability(endpoint: str, timeout: float = 5.0) -> pb.Capability:
 
 
 async def tokenize(endpoint: str, text: str, timeout: float = 10.0) -> list[int]:
+    return (await tokenize_with_bos(endpoint, text, timeout))[0]
+
+
+async def tokenize_with_bos(endpoint: str, text: str, timeout: float = 10.0) -> tuple[list[int], int]:
+    """The token ids of ``text`` (as llama.cpp tokenizes by default) and the vocabulary's BOS id (-1: none)."""
     async with open_channel(endpoint) as ch:
         try:
             reply = await pb_grpc.NodeStub(ch).Tokenize(
                 pb.TokenizeRequest(text=text, add_special=True, parse_special=True), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise translate(e, endpoint, "Tokenize") from e
-    return list(reply.tokens)
+    return list(reply.tokens), reply.bos_token
 
 
 async def tokenize_chat(endpoint: str, messages: list[tuple[str, str]],

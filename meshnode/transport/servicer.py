@@ -89,10 +89,10 @@ class _Writer:
         m = self._metrics
         m.bytes_out.inc(reply.ByteSize())
         if reply.HasField("error"):
-            m.errors.inc(code=pb.ErrorCode.Name(reply.error.code))
+            m.errors.labels(code=pb.ErrorCode.Name(reply.error.code)).inc()
         elif reply.HasField("result") and not reply.result.duplicate and reply.result.timings:
             mine = reply.result.timings[0]
-            m.tokens.inc(mine.n_tokens, kind="decode" if mine.n_tokens == 1 else "prefill")
+            m.tokens.labels(kind="decode" if mine.n_tokens == 1 else "prefill").inc(mine.n_tokens)
             m.steps.observe(mine.handle_nanos / 1e9)
 
     async def error(self, session: HopSession, e: errors.MeshnodeError, *, terminal: bool | None = None) -> None:
@@ -180,11 +180,9 @@ class NodeServicer(pb_grpc.NodeServicer):
     def health(self) -> pb.HealthReply:
         """Load and headline figures: answered to Health, sent with tracker heartbeats."""
         ex, m = self.executor, self.metrics
-        n_steps = sum(m.steps.counts)
         return pb.HealthReply(serving=self.serving, live_sessions=ex.live_slots, free_sessions=ex.free_slots,
-                              steps_total=ex.steps_total, tokens_total=int(sum(m.tokens.values.values())),
-                              errors_total=int(sum(m.errors.values.values())),
-                              step_seconds_mean=m.steps.total / n_steps if n_steps else 0.0,
+                              steps_total=ex.steps_total, tokens_total=m.tokens_total(),
+                              errors_total=m.errors_total(), step_seconds_mean=m.step_seconds_mean(),
                               detached_sessions=len(self.detached), batches_total=ex.batches_total)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeReply:
@@ -194,7 +192,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         assert vocab is not None
         if not request.messages:
             return pb.TokenizeReply(tokens=vocab.tokenize(request.text, add_special=request.add_special,
-                                                          parse_special=request.parse_special))
+                                                          parse_special=request.parse_special), bos_token=vocab.bos)
         try:
             chat = vocab.chat_format().render([{"role": m.role, "content": m.content} for m in request.messages])
         except errors.InputError as e:
@@ -204,7 +202,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.code}: {e.message}")
             raise AssertionError("unreachable") from e
         return pb.TokenizeReply(tokens=vocab.tokenize(chat.text, add_special=chat.add_bos, parse_special=True),
-                                stop=list(chat.stop))
+                                bos_token=vocab.bos, stop=list(chat.stop))
 
     async def _authorize(self, context: Any, env: pb.SignedEnvelope, sid: str, action: str, work: str) -> None:
         """Only the session's initiator may release or cancel it (PERMISSION_DENIED otherwise)."""
