@@ -175,9 +175,8 @@ class Gateway:
                 else:
                     end = event
             nursery.cancel_scope.cancel()
-        if end is None:
-            return _timeout(self.config.deadline) if scope.cancel_called else _error(499, "client went away",
-                                                                                     "invalid_request_error")
+        if end is None:  # cut: by the deadline, or the client went away (then nobody reads this)
+            return _timeout(self.config.deadline)
         if end[0] == "error":
             status, kind = schema.error_status(end[1])
             return _error(status, end[1].message, kind, end[1].code)
@@ -196,7 +195,7 @@ class Gateway:
                     yield _sse(answer.chunk(event[1], first=not opened))
                     opened = True
                 elif event[0] == "error":
-                    status, kind = schema.error_status(event[1])
+                    _, kind = schema.error_status(event[1])
                     yield _sse(schema.error_doc(event[1].message, kind, event[1].code))
                 else:
                     result: GenerationResult = event[1]

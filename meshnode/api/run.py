@@ -13,11 +13,14 @@ import trio
 from meshnode import errors
 from meshnode.api.app import ApiConfig, Gateway
 from meshnode.api.mesh import MeshSource, MeshView
-from meshnode.httpserve import serve_asgi
+from meshnode.httpserve import ServeLimits, serve_asgi
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.server import split_hostport
 
 log = logging.getLogger("meshnode.api")
+#: the API's answers take as long as their generation: no read bound while a request is answered
+#: (a client that hangs up is noticed by its disconnect, which cancels the generation)
+LIMITS = ServeLimits(read_timeout=None)
 
 
 def check_exposure(config: ApiConfig) -> tuple[str, int]:
@@ -61,7 +64,7 @@ async def run_api(config: ApiConfig, source: MeshSource, *, aio: AioThread | Non
         gateway = Gateway(mesh, thread, config)
         gateway.nursery = nursery
         try:
-            bound = await nursery.start(functools.partial(serve_asgi, gateway.asgi(), host, port))
+            bound = await nursery.start(functools.partial(serve_asgi, gateway.asgi(), host, port, limits=LIMITS))
         except OSError as e:
             raise errors.InputError(f"cannot listen on {config.listen}: {e.strerror or e}") from None
         log.info("API on http://%s:%d/v1 (%d models known)", host, bound, len(mesh.models()))

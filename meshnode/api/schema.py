@@ -60,9 +60,9 @@ def _get(body: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
         return default
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise errors.InputError(f"'{name}' must be {_NAMES[kind]}, not {json_type(value)}")
-    if kind is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise errors.InputError(f"'{name}' must be a finite number")
     return value
 

@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import grpc
 import numpy as np
@@ -41,7 +41,14 @@ from meshnode.routing.failover import Backoff, can_fail_over, replacement, repla
 from meshnode.session.completion import Completion
 from meshnode.session.sampling import GREEDY, SamplingParams, check_sampling, check_stops
 from meshnode.session.sampling import to_pb as sampling_pb
-from meshnode.transport.client import get_capability, open_channel, release, tokenize_with_bos, translate
+from meshnode.transport.client import (
+    get_capability,
+    open_channel,
+    release,
+    tokenize_chat,
+    tokenize_with_bos,
+    translate,
+)
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import decode_bundle
@@ -55,9 +62,9 @@ ABANDON_TIMEOUT = 2.0
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    #: raw completion text, tokenized by the head as llama.cpp does by default
+    #: raw completion text, tokenized by the tail as llama.cpp does by default (unused with ``messages``)
     prompt: str
-    #: stop after this many generated tokens (or at end-of-generation)
+    #: stop after this many generated tokens (or at end-of-generation); 0: as many as the context leaves
     max_tokens: int = 32
     #: the tail's llama.cpp sampler chain; greedy by default here (reproducible), the CLI passes its own
     sampling: SamplingParams = GREEDY
@@ -73,6 +80,9 @@ class GenerateConfig:
     delegate: bool = True
     #: when a failed hop has no spare: seconds to wait for it to come back (a restart), then replay
     rejoin_wait: float = 5.0
+    #: chat: (role, content) messages, rendered by the tail with the model's own chat template as
+    #: ``Llama.create_chat_completion`` renders them (then ``prompt`` is not used)
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -321,11 +331,11 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
     check_generate(cfg)
     caps = await check_route(peers)
     spare_caps = await _spare_capabilities([s for s in spares if s not in peers], caps[0])
-    prompt, bos = await tokenize_with_bos(peers[-1], cfg.prompt)  # the tail carries the vocabulary
-    if not prompt:
-        raise errors.InputError("the prompt tokenizes to nothing")
+    prompt, bos, cfg = await _prompt(peers[-1], cfg)  # the tail carries the vocabulary
     # the route's context is its smallest hop's (hops may differ: it is not a numerics setting)
     ctx, smallest = min((c.numerics.n_ctx_per_session, p) for p, c in zip(peers, caps, strict=True))
+    if cfg.max_tokens == 0:
+        cfg = replace(cfg, max_tokens=max(ctx - len(prompt), 1))
     check_fits(len(prompt), cfg.max_tokens, ctx, where=f" of hop {smallest}, the route's smallest")
     spare_caps = {e: c for e, c in spare_caps.items()
                   if c.numerics.n_ctx_per_session >= len(prompt) + cfg.max_tokens}
@@ -342,14 +352,27 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
         raise
 
 
+async def _prompt(tail: str, cfg: GenerateConfig) -> tuple[list[int], int, GenerateConfig]:
+    """The prompt's tokens and the vocabulary's BOS id, from the tail; for a chat, ``cfg`` gains the
+    chat format's stop strings (as ``create_chat_completion`` adds them to the caller's)."""
+    if cfg.messages:
+        prompt, bos, stops = await tokenize_chat(tail, list(cfg.messages))
+        cfg = replace(cfg, stop=cfg.stop + tuple(s for s in stops if s and s not in cfg.stop))
+    else:
+        prompt, bos = await tokenize_with_bos(tail, cfg.prompt)
+    if not prompt:
+        raise errors.InputError("the prompt tokenizes to nothing")
+    return prompt, bos, cfg
+
+
 #: ``on_token(token, released text bytes)``; token None: the end, flushing text held back for a stop string
 OnToken = Callable[[int | None, bytes], None]
 
 
 def check_generate(cfg: GenerateConfig) -> None:
     """What ``generate`` (route or local) refuses before any work (InputError)."""
-    if cfg.max_tokens < 1:
-        raise errors.InputError("--max-tokens must be at least 1")
+    if cfg.max_tokens < 0:
+        raise errors.InputError("max_tokens must be at least 1 (0: as many as the context leaves)")
     check_sampling(cfg.sampling)
     check_stops(cfg.stop)
 

@@ -7,6 +7,7 @@ across any route.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -37,9 +38,9 @@ def generate_local(model: Path, cfg: GenerateConfig, exec_cfg: ExecConfig,
     try:
         vocab = rng_range.vocab
         assert vocab is not None
-        prompt = vocab.tokenize(cfg.prompt)
-        if not prompt:
-            raise errors.InputError("the prompt tokenizes to nothing")
+        prompt, cfg = _prompt(vocab, cfg)
+        if cfg.max_tokens == 0:
+            cfg = dataclasses.replace(cfg, max_tokens=max(rng_range.n_ctx_seq - len(prompt), 1))
         check_fits(len(prompt), cfg.max_tokens, rng_range.n_ctx_seq)
         t0 = time.perf_counter()
         out = None
@@ -61,6 +62,19 @@ def generate_local(model: Path, cfg: GenerateConfig, exec_cfg: ExecConfig,
         )
     finally:
         rng_range.close()
+
+
+def _prompt(vocab: Vocab, cfg: GenerateConfig) -> tuple[list[int], GenerateConfig]:
+    """As the route's tail tokenizes (servicer.Tokenize): raw text, or chat through the model's template."""
+    if cfg.messages:
+        chat = vocab.chat_format().render([{"role": r, "content": c} for r, c in cfg.messages])
+        prompt = vocab.tokenize(chat.text, add_special=chat.add_bos, parse_special=True)
+        cfg = dataclasses.replace(cfg, stop=cfg.stop + tuple(s for s in chat.stop if s and s not in cfg.stop))
+    else:
+        prompt = vocab.tokenize(cfg.prompt)
+    if not prompt:
+        raise errors.InputError("the prompt tokenizes to nothing")
+    return prompt, cfg
 
 
 def _decode(rng_range: LlamaRange, vocab: Vocab, chain: Chain, completion: Completion, out: StepOutput,

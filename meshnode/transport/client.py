@@ -60,15 +60,16 @@ async def tokenize_with_bos(endpoint: str, text: str, timeout: float = 10.0) -> 
 
 
 async def tokenize_chat(endpoint: str, messages: list[tuple[str, str]],
-                        timeout: float = 10.0) -> tuple[list[int], list[str]]:
-    """``(role, content)`` messages rendered by the node's chat format and tokenized: (tokens, stop strings)."""
+                        timeout: float = 10.0) -> tuple[list[int], int, list[str]]:
+    """``(role, content)`` messages rendered by the node's chat format and tokenized:
+    (tokens, the vocabulary's BOS id, the format's stop strings)."""
     req = pb.TokenizeRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
     async with open_channel(endpoint) as ch:
         try:
             reply = await pb_grpc.NodeStub(ch).Tokenize(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise translate(e, endpoint, "Tokenize") from e
-    return list(reply.tokens), list(reply.stop)
+    return list(reply.tokens), reply.bos_token, list(reply.stop)
 
 
 async def release(endpoint: str, session_id: str, auth: pb.SignedEnvelope, timeout: float = 2.0) -> bool:
