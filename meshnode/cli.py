@@ -277,6 +277,8 @@ def _targets(ns: argparse.Namespace, *, every: bool) -> Callable[[], list[Runnin
     from meshnode.membership import select
     from meshnode.paths import state_dir
 
+    if ns.state_dir and ns.listen:  # answered at once, not retried by status --wait
+        raise errors.InputError("give --state-dir or --listen (a node under the default state dir), not both")
     explicit = Path(ns.state_dir) if ns.state_dir else None
     return lambda: select(state_dir(), explicit, ns.listen, every=every)
 
