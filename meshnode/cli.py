@@ -258,7 +258,16 @@ def cmd_id(ns: argparse.Namespace) -> int:
     from meshnode.identity import load_or_create
     from meshnode.paths import state_dir
 
-    ident = load_or_create(Path(ns.state_dir) if ns.state_dir else state_dir())
+    if ns.state_dir:
+        sdir = Path(ns.state_dir)
+    elif ns.listen:
+        from meshnode.runtime import node_state_dir
+        from meshnode.transport.server import split_hostport
+
+        sdir = node_state_dir(None, *split_hostport(ns.listen))[0]
+    else:
+        sdir = state_dir()
+    ident = load_or_create(sdir)
     if ns.json:
         print(json.dumps({"node_id": ident.node_id, "public_key": ident.public_key.hex()}))
     else:
@@ -296,6 +305,8 @@ def _targets(ns: argparse.Namespace, *, every: bool) -> Callable[[], list[Runnin
     from meshnode.membership import select
     from meshnode.paths import state_dir
 
+    if ns.state_dir and ns.listen:  # answered at once, not retried by status --wait
+        raise errors.InputError("give --state-dir or --listen (a node under the default state dir), not both")
     explicit = Path(ns.state_dir) if ns.state_dir else None
     return lambda: select(state_dir(), explicit, ns.listen, every=every)
 
@@ -471,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ident = sub.add_parser("id", help="print this node's id (makes its Ed25519 key on first use)")
     ident.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
+    ident.add_argument("--listen", metavar="HOST:PORT", help="the id of the node started with this fixed --listen "
+                                                              "and no --state-dir (its own state dir)")
     ident.add_argument("--json", action="store_true", help="also print the public key")
     ident.set_defaults(func=cmd_id)
 

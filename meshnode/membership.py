@@ -106,7 +106,14 @@ def _known(found: list[Running]) -> str:
 
 
 def leave(nodes: list[Running], timeout: float) -> list[Running]:
-    """Ask each node to leave (SIGTERM, all at once) and wait until each has let go of its state dir."""
+    """Ask each node to leave (SIGTERM, all at once) and wait until each has let go of its state dir.
+
+    Only a node that serves is signalled: its pid is then in node.json, written by the lock's
+    holder itself (the lock file's pid alone may still be its predecessor's for a moment)."""
+    starting = [r for r in nodes if r.info is None]
+    if starting:
+        raise errors.InputError(f"still starting: {'; '.join(r.describe() for r in starting)} "
+                                f"in {starting[0].state_dir}; wait for it (status --wait SECONDS), then leave")
     for r in nodes:
         os.kill(r.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout

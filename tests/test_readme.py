@@ -127,7 +127,7 @@ def test_the_readme_runs_as_written(tmp_path, model):
     # 0: the demo generates across two node processes
     assert "The three primary colors are" in out[0]
     assert "tokens across 2 hops" in err[0]
-    # 1: pasted (not run) here is bash .ci/run
+    # 1: bash .ci/run, replaced by true (SKIPPED)
     # 2: two nodes, both serving; the route's text is the whole model's
     for port in (7001, 7002):
         assert f"listening on 127.0.0.1:{port}" in out[2]

@@ -51,6 +51,25 @@ def test_the_lock_admits_one_holder_and_frees_on_release(tmp_path):
     second.release()
 
 
+def test_leave_refuses_a_node_still_starting(tmp_path):
+    """A node that holds its lock but serves not yet (no node.json of its own) is not signalled."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                               "from meshnode.runtime import RuntimeDir; RuntimeDir(Path(sys.argv[1])).claim(hint=''); "
+                               "print('held', flush=True); sys.stdin.read()", str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "held\n"
+        proc = cli("leave", "--state-dir", str(tmp_path))
+        assert proc.returncode == 2
+        assert f"still starting: pid {holder.pid}, starting" in proc.stderr
+        assert "status --wait" in proc.stderr
+        assert holder.poll() is None
+    finally:
+        holder.communicate("", timeout=30)
+    assert holder.returncode == 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,7 +153,11 @@ def test_nodes_without_state_dirs_are_found_by_status_and_leave(model, own_state
         assert st.returncode == 0, st.stderr
         assert sorted(n["endpoint"] for n in json.loads(st.stdout)["nodes"]) == sorted(endpoints[:2])
         st = cli("status", "--json")
-        assert sorted(n["endpoint"] for n in json.loads(st.stdout)["nodes"]) == sorted(endpoints)
+        rows = json.loads(st.stdout)["nodes"]
+        assert sorted(n["endpoint"] for n in rows) == sorted(endpoints)
+        ident = cli("id", "--listen", endpoints[0])  # each fixed address has its own key
+        assert ident.stdout.strip() == next(n["node_id"] for n in rows if n["endpoint"] == endpoints[0])
+        assert len({n["node_id"] for n in rows}) == 3
 
         lv = cli("leave")
         assert lv.returncode == 2
