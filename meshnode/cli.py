@@ -20,10 +20,8 @@ import trio
 
 from meshnode import __version__, errors
 from meshnode.executor.config import ExecConfig
-from meshnode.proto import node_pb2 as pb
 
 if TYPE_CHECKING:
-    from meshnode.executor.sampler import SamplingParams
     from meshnode.runtime import Running
 
 
@@ -159,66 +157,24 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from meshnode.session.initiator import GenerateConfig, check_generate, generate
+    from meshnode.generation import Runner
 
-    if ns.max_tokens < 1:
-        raise errors.InputError("--max-tokens must be at least 1")
-    if ns.rejoin_wait < 0:
-        raise errors.InputError("--rejoin-wait must be >= 0")
-    sampling, drawn = _sampling(ns)
-    cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, sampling=sampling, stop=tuple(ns.stop),
-                         wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
-                         rejoin_wait=ns.rejoin_wait)
-    check_generate(cfg)
-    if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
-        raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
-    if ns.mesh and not (ns.mdns or ns.tracker):
-        raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR and/or --tracker URL")
-    if ns.spare and not ns.peer:
-        raise errors.InputError("--spare goes with --peer (with --mesh every other peer found is a spare)")
-    if drawn:  # on stderr: stdout stays the text (or the one JSON object)
-        print(f"meshnode: sampling with seed {sampling.seed} (repeat this run with --seed {sampling.seed})",
-              file=sys.stderr, flush=True)
+    if ns.system and not ns.chat:
+        raise errors.InputError("--system goes with --chat")
+    messages = (*((("system", ns.system),) if ns.system else ()), ("user", ns.chat)) if ns.chat else ()
+    runner = Runner.from_flags(ns)
+    cfg = runner.config(prompt=ns.prompt or "", messages=messages)
     on_token = _stream_printer(ns.json) if ns.stream else None
-    if ns.peer or ns.mesh:
-        async def main() -> object:
-            from meshnode.transport.aiothread import open_aio_thread
-
-            async with open_aio_thread(name="meshnode-initiator") as aio:
-                peers, spares = ns.peer, ns.spare
-                if ns.mesh:
-                    from meshnode.session.mesh import discover
-
-                    found = await discover(ns.mesh, mdns_interface=ns.mdns, tracker=ns.tracker,
-                                           timeout=ns.discover_timeout, aio=aio.run)
-                    peers, spares = found.route, found.spares
-                return await aio.run(functools.partial(generate, peers, cfg, spares=spares, on_token=on_token))
-
-        result = trio.run(main)
-    else:
-        from meshnode.executor._bindings import silence_llama_logs
-        from meshnode.session.local import generate_local
-
-        silence_llama_logs()
-        result = generate_local(_model(ns), cfg, _exec_config(ns), on_token=on_token)
+    result = runner.run(cfg, on_token)
     _print_result(result, ns.json, streamed=on_token is not None)
     return 0
 
 
-def _sampling(ns: argparse.Namespace) -> tuple[SamplingParams, bool]:
-    """The sampling flags, checked (one-line InputErrors naming the flag); True: the seed was drawn."""
-    from meshnode.session.sampling import SamplingParams, check_sampling, with_seed
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from meshnode.chatrepl import run_chat
+    from meshnode.generation import Runner
 
-    p = SamplingParams(temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
-                       typical_p=ns.typical_p, repeat_penalty=ns.repeat_penalty,
-                       frequency_penalty=ns.frequency_penalty, presence_penalty=ns.presence_penalty,
-                       seed=ns.seed if ns.seed is not None else 0)
-    try:
-        check_sampling(p)
-    except errors.InputError as e:  # "top_p must be ..." -> "--top-p must be ..."
-        name = e.message.split(" ", 1)[0]
-        raise errors.InputError(f"--{name.replace('_', '-')} {e.message.split(' ', 1)[1]}") from None
-    return with_seed(p, ns.seed)
+    return run_chat(Runner.from_flags(ns), system=ns.system)
 
 
 def _stream_printer(as_json: bool) -> Callable[[int | None, bytes], None]:
@@ -388,6 +344,45 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return run_demo(prompt=ns.prompt, max_tokens=ns.max_tokens)
 
 
+def _add_route_flags(p: argparse.ArgumentParser) -> None:
+    """Where generate and chat run: a route (--peer/--spare), one found (--mesh), or the whole model here."""
+    p.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")
+    p.add_argument("--model", help="without --peer: run this whole GGUF here")
+    p.add_argument("--mesh", metavar="NAME_OR_FINGERPRINT",
+                   help="find a route for this model (general.name, or sha256 / a prefix of 8+ digits)")
+    p.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
+    p.add_argument("--tracker", metavar="URL", help="with --mesh: look the model up on this tracker")
+    p.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
+    p.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
+                   help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
+    p.add_argument("--rejoin-wait", type=float, default=5.0, metavar="SECONDS",
+                   help="when a failed hop has no spare, wait this long for it to come back (default 5)")
+    p.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
+                   help="residual dtype on the wire; f16 is NOT bit-exact")
+    _add_exec_flags(p)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, *, temperature: float = 0.0) -> None:
+    # Sampling: llama.cpp's chain as Llama.create_completion builds it, with its defaults — except
+    # the temperature of `generate`, 0 (greedy): it is how a route is checked against the whole
+    # model, and a README run prints the text it shows. --temperature 0.8 is Llama's default.
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 = greedy; > 0 samples (default {temperature:g}; Llama's completion default is 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0 = off; default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus cut-off in [0, 1] (1 = off; default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens below this x the top probability, in [0, 1] (0 = off; default 0.05)")
+    p.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling in [0, 1] (1 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="> 0: penalize tokens seen in the last 64 generated (1 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract count x this (0 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this once seen (0 = off)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text before the first occurrence of TEXT (repeat for several)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the sampler's seed, 0..4294967294 (default: a random one, printed on stderr)")
+
+
 # -- parser ---------------------------------------------------------------------------
 
 
@@ -441,44 +436,25 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     gen = sub.add_parser("generate", help="generate text across a route, or with the whole model here")
-    gen.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")
-    gen.add_argument("--model", help="without --peer: run this whole GGUF here")
-    gen.add_argument("--mesh", metavar="NAME_OR_FINGERPRINT",
-                     help="find a route for this model (general.name, or sha256 / a prefix of 8+ digits)")
-    gen.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
-    gen.add_argument("--tracker", metavar="URL", help="with --mesh: look the model up on this tracker")
-    gen.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
-    gen.add_argument("--prompt", required=True, help="raw completion text")
+    _add_route_flags(gen)
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="raw completion text")
+    what.add_argument("--chat", metavar="MESSAGE",
+                      help="a user message, rendered with the model's own chat template (as create_chat_completion)")
+    gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     gen.add_argument("--max-tokens", type=int, default=32)
-    # Sampling: llama.cpp's chain as Llama.create_completion builds it, with its defaults — except
-    # the temperature, 0 (greedy) here: `generate` is how a route is checked against the whole
-    # model, and a README run prints the text it shows. --temperature 0.8 is Llama's default.
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="0 = greedy (default); > 0 samples (Llama's default is 0.8)")
-    gen.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0 = off; default 40)")
-    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus cut-off in [0, 1] (1 = off; default 0.95)")
-    gen.add_argument("--min-p", type=float, default=0.05,
-                     help="drop tokens below this x the top probability, in [0, 1] (0 = off; default 0.05)")
-    gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling in [0, 1] (1 = off)")
-    gen.add_argument("--repeat-penalty", type=float, default=1.0,
-                     help="> 0: penalize tokens seen in the last 64 generated (1 = off)")
-    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract count x this (0 = off)")
-    gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this once seen (0 = off)")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="end the text before the first occurrence of TEXT (repeat for several)")
-    gen.add_argument("--seed", type=int, default=None,
-                     help="the sampler's seed, 0..4294967294 (default: a random one, printed on stderr)")
-    gen.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
-                     help="residual dtype on the wire; f16 is NOT bit-exact")
-    gen.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
-                     help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
-    gen.add_argument("--rejoin-wait", type=float, default=5.0, metavar="SECONDS",
-                     help="when a failed hop has no spare, wait this long for it to come back (default 5)")
+    _add_sampling_flags(gen)
     gen.add_argument("--stream", action="store_true",
                      help="print each token as it arrives (with --json: one JSON line per token, then the result)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_exec_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal, over a route or the whole model here")
+    _add_route_flags(chat)
+    chat.add_argument("--system", metavar="TEXT", help="a system message to start the conversation with")
+    chat.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
+    _add_sampling_flags(chat, temperature=0.2)  # Llama.create_chat_completion's default
+    chat.set_defaults(func=cmd_chat)
 
     ident = sub.add_parser("id", help="print this node's id (makes its Ed25519 key on first use)")
     ident.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")

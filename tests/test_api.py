@@ -126,6 +126,19 @@ def test_chat_equals_llama(api: Api, whole: llama_cpp.Llama, params: dict[str, A
     assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]  # type: ignore[index]
 
 
+def test_defaults_are_llamas(api: Api, whole: llama_cpp.Llama) -> None:
+    """No sampling fields at all: Llama's own defaults (completion: temperature 0.8, top_k 40, ...;
+    chat: temperature 0.2), the same seed given to both."""
+    c = api.client()
+    model = c.models.list().data[0].id
+    got = c.completions.create(model=model, prompt=PROMPT, max_tokens=20, seed=11)
+    want = whole.create_completion(PROMPT, max_tokens=20, seed=11)
+    assert got.choices[0].text == want["choices"][0]["text"]
+    chat = c.chat.completions.create(model=model, messages=CHAT, max_tokens=20, seed=11)
+    want_chat = whole.create_chat_completion(CHAT, max_tokens=20, seed=11)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == want_chat["choices"][0]["message"]["content"]  # type: ignore[index]
+
+
 def test_streamed_answers_are_the_whole_answers(api: Api) -> None:
     c = api.client()
     model = c.models.list().data[0].id

@@ -2,8 +2,8 @@
 
 Requests are parsed field by field into a ``Job``; anything malformed is the
 caller's ``InputError`` (HTTP 400) naming the field. Sampling defaults are
-``Llama.create_completion``'s (``SamplingParams()``), as llama-server and
-llama-cpp-python's own server use them; ``max_tokens`` defaults to 16 for a
+``Llama.create_completion``'s (``SamplingParams()``) for a completion and
+``Llama.create_chat_completion``'s for a chat (the same, at temperature 0.2); ``max_tokens`` defaults to 16 for a
 completion (OpenAI's and ``Llama``'s) and to what the context leaves for a chat.
 Fields this mesh cannot honour with a value that would change the answer
 (``n`` > 1, ``echo``, ``logprobs``, tools, a JSON ``response_format``,
@@ -27,6 +27,8 @@ _SAMPLING = (("temperature", "temperature", float), ("top_p", "top_p", float), (
              ("min_p", "min_p", float), ("typical_p", "typical_p", float),
              ("repeat_penalty", "repeat_penalty", float), ("frequency_penalty", "frequency_penalty", float),
              ("presence_penalty", "presence_penalty", float), ("seed", "seed", int))
+#: ``Llama.create_chat_completion``'s defaults: its completion's, but temperature 0.2
+CHAT_DEFAULTS = SamplingParams(temperature=0.2)
 #: stop strings a request may give (OpenAI's own bound)
 MAX_STOP = 4
 
@@ -115,7 +117,8 @@ def _common(body: object, kind: str, default_max: int | None) -> dict[str, Any]:
     if not isinstance(model, str) or not model.strip():
         raise errors.InputError("'model' is required: a model name or fingerprint (GET /v1/models lists them)")
     _refuse_unsupported(body)
-    values = {attr: _get(body, name, kind_, getattr(SamplingParams, attr)) for name, attr, kind_ in _SAMPLING}
+    defaults = CHAT_DEFAULTS if kind == "chat" else SamplingParams()
+    values = {attr: _get(body, name, kind_, getattr(defaults, attr)) for name, attr, kind_ in _SAMPLING}
     max_tokens = _get(body, "max_tokens", int, None)
     if kind == "chat":
         max_tokens = _get(body, "max_completion_tokens", int, max_tokens)
