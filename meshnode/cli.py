@@ -129,7 +129,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
-                     metrics=ns.metrics)
+                     metrics=ns.metrics, api=ns.api, api_key=api_config(ns.api or "127.0.0.1:0", ns.api_key).api_key)
+    if cfg.api:
+        from meshnode.api.run import check_exposure
+
+        check_exposure(api_config(cfg.api, cfg.api_key))  # before any work: a key is needed off loopback
     if not ns.verbose:
         silence_llama_logs()
 
@@ -417,6 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--heartbeat", type=float, help="seconds between tracker heartbeats (default 10)")
         p.add_argument("--drain-timeout", type=float, help="seconds live sessions get when leaving (default 30)")
         p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics")
+        p.add_argument("--api", metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible API (as `meshnode api`) over the mesh this node sees")
+        p.add_argument("--api-key", metavar="KEY",
+                       help="with --api: require 'Authorization: Bearer KEY' (needed off loopback; "
+                            "or $MESHNODE_API_KEY)")
         if name == "join":
             p.add_argument("--auto", action="store_true", help="take the range whose coverage is weakest")
             p.add_argument("--span", type=int, help="with --auto: layers to take (default: half the model)")

@@ -14,6 +14,8 @@
     threads = 1
     threads_batch = 2
     metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
+    api = "127.0.0.1:8080"      # an OpenAI-compatible API over the mesh (default: off)
+    api_key = "..."             # Bearer key the API requires (needed when api is not on loopback)
 
 A flag given on the command line wins over the file; the file wins over the
 built-in default. Unknown keys are an error (a typo must not pass silently).
@@ -44,6 +46,8 @@ KEYS: dict[str, tuple[type, Any]] = {
     "threads": (int, 0),
     "threads_batch": (int, 0),
     "metrics": (str, None),
+    "api": (str, None),
+    "api_key": (str, None),
 }
 
 

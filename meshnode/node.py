@@ -67,6 +67,10 @@ class NodeConfig:
     drain_timeout: float = 30.0
     #: HOST:PORT for Prometheus metrics at /metrics (None: off)
     metrics: str | None = None
+    #: HOST:PORT for the OpenAI-compatible API over the mesh this node sees (None: off)
+    api: str | None = None
+    #: the Bearer key the API requires (None: none; required off loopback)
+    api_key: str | None = None
 
 
 LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
@@ -196,9 +200,10 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)
             await _announce(nursery, config, ident, servicer, aio, addr)
+            api_url = await _serve_api(nursery, config, aio, addr) if config.api else None
             runtime.write(node_id=ident.node_id, listen=config.listen, endpoint=addr,
                           layers=f"{artifact.start}:{artifact.end}", tracker=config.tracker,
-                          mdns=config.mdns_interface, metrics=metrics_url)
+                          mdns=config.mdns_interface, metrics=metrics_url, api=api_url)
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
             notify("READY=1")
             interval = watchdog_interval()
@@ -213,6 +218,18 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
                 await _settle(executor)
     finally:
         executor.close()
+
+
+async def _serve_api(nursery: trio.Nursery, config: NodeConfig, aio: AioThread, addr: str) -> str:
+    """The API over the mesh this node sees: itself, its tracker, its mDNS; its sessions on ``aio``."""
+    from meshnode.api import ApiConfig, MeshSource, run_api
+
+    assert config.api is not None
+    source = MeshSource(peers=(addr,), tracker=config.tracker, mdns=config.mdns_interface)
+    bound = await nursery.start(functools.partial(run_api, ApiConfig(listen=config.api, api_key=config.api_key),
+                                                  source, aio=aio))
+    log.info("API on http://%s/v1", bound)
+    return f"http://{bound}/v1"
 
 
 async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdentity, servicer: NodeServicer,

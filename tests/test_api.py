@@ -260,3 +260,16 @@ def test_the_port_is_refused_cleanly_when_busy(route2: list[NodeProcess]) -> Non
     assert proc.returncode == 2
     assert "cannot listen" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+async def test_a_node_serves_the_api_over_the_mesh_it_sees(node_factory: Any, whole: llama_cpp.Llama) -> None:
+    """``serve --api``: the tail finds the head over mDNS (loopback) and answers as the whole model does."""
+    node_factory("0:15", extra=("--mdns", "127.0.0.1"))
+    tail = node_factory("15:30", extra=("--mdns", "127.0.0.1", "--api", "127.0.0.1:0"))
+    url = json.loads((tail.state_dir / "node.json").read_text())["api"]
+    c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    with trio.fail_after(30):
+        while not c.models.list().data:  # noqa: ASYNC110 (mDNS finds the head within a second or so)
+            await trio.sleep(0.2)
+    got = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert got.choices[0].text == whole.create_completion(PROMPT, max_tokens=12, temperature=0)["choices"][0]["text"]
