@@ -18,6 +18,7 @@ def node_view(e: Entry, now: float, ttl: float) -> dict[str, Any]:
         "endpoints": list(cap.endpoints),
         "model": cap.model_fingerprint,
         "model_name": cap.model_name,
+        "model_file": cap.model_file,
         "range": [cap.range.start, cap.range.end],
         "role": cap.role,
         "n_layer": cap.n_layer,
@@ -52,7 +53,7 @@ def mean_batch(steps: int, batches: int) -> float:
 
 
 def matches(view: dict[str, Any], query: str) -> bool:
-    return model_matches(str(view["model"]), str(view["model_name"]), query)
+    return model_matches(str(view["model"]), str(view["model_name"]), query, str(view.get("model_file", "")))
 
 
 def coverage(nodes: list[dict[str, Any]], n_layer: int) -> list[list[str]]:
