@@ -1,9 +1,9 @@
 """The per-session context (``--ctx-size``): its default, long prompts, and the refusal naming the flag.
 
 The long-context parity test runs a prompt of more than 4,096 tokens through
-a two-hop route of real node processes and through the whole model here,
-both at the same ``--ctx-size``, and compares them with llama-cpp-python's
-``Llama(model, n_ctx=<the same>)``: tokens equal, logits bit for bit.
+a two-hop route of real node processes at one ``--ctx-size`` and compares it
+with llama-cpp-python's ``Llama(model, n_ctx=<the same>)``: tokens equal,
+logits bit for bit.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ import pytest
 import trio
 
 from meshnode import errors
-from meshnode.executor.config import ExecConfig
 from meshnode.executor.context import CTX_ALIGN, check_fits, default_ctx_size, kv_bytes_per_token
 from meshnode.gguf import inspect_model
 from meshnode.session.initiator import GenerateConfig, generate
-from meshnode.session.local import generate_local
 from tests.conftest import aio, cli, llama_reference
 
 #: a context above 4096 that a >= 4096-token prompt and a short continuation fit in
@@ -111,19 +109,18 @@ def test_route_refuses_a_prompt_beyond_its_smallest_hop(node_factory):
 # -- long-context parity --------------------------------------------------------------
 
 
-async def test_route_and_local_equal_llama_at_a_long_context(model, node_factory):
+async def test_route_equals_llama_at_a_long_context(model, node_factory):
     prompt = long_prompt()
     ref = await trio.to_thread.run_sync(llama_reference, model, prompt, 4, LONG_CTX)
     assert 4096 <= len(ref.prompt_tokens) <= LONG_CTX - 4
     extra = ("--ctx-size", str(LONG_CTX), "--max-sessions", "1")
     head, tail = node_factory("0:15", extra=extra), node_factory("15:30", extra=extra)
-    cfg = GenerateConfig(prompt=prompt, max_tokens=4, return_logits=True)
+    # a 512-token chunk at position ~4000 is slow on a busy 2-core host: room per step, so that
+    # a slow step is not taken for a dead hop (a failover would still give equal tokens)
+    cfg = GenerateConfig(prompt=prompt, max_tokens=4, return_logits=True, step_timeout=180)
     with trio.fail_after(240):
         routed = await aio(generate, [head.endpoint, tail.endpoint], cfg)
     assert routed.prompt_tokens == ref.prompt_tokens
     assert routed.tokens == ref.tokens
     for got, want in zip(routed.logits, ref.logits, strict=True):
         assert np.array_equal(got, want)
-    local = await trio.to_thread.run_sync(
-        generate_local, model, GenerateConfig(prompt=prompt, max_tokens=4), ExecConfig(n_ctx_per_session=LONG_CTX))
-    assert local.tokens == ref.tokens
