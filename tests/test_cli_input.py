@@ -9,8 +9,11 @@ file name, its general name, or a fingerprint prefix of 8+ hex digits.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -154,3 +157,40 @@ def test_mesh_finds_a_model_by_file_name_and_lists_what_it_saw(model, node_facto
     assert fp[:8] in miss
     short = one_error_line(cli("generate", "--mesh", fp[:6], *find))
     assert "8+" in short
+
+
+# -- progress of a cut -------------------------------------------------------------------
+
+
+def test_model_slice_reports_progress_and_a_summary_and_serve_streams_it(model, tmp_path):
+    env = {**os.environ, "MESHNODE_CACHE_DIR": str(tmp_path / "cache")}  # an empty cache: a real cut
+    proc = subprocess.run([sys.executable, "-m", "meshnode", "model", "slice", "--model", str(model),
+                           "--layers", "3:9"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # stdout stays one JSON object
+    assert doc["range"] == [3, 9]
+    lines = proc.stderr.strip().splitlines()
+    assert any("writing layers 3:9 50% (" in ln for ln in lines), lines
+    assert lines[-1].startswith(f"meshnode: layers 3:9 of {model.name} (middle): ")
+    assert doc["dir"] in lines[-1]
+
+    node = subprocess.Popen([sys.executable, "-m", "meshnode", "serve", "--model", str(model), "--layers", "9:20",
+                             "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"), "--ctx-size", "256",
+                             "--max-sessions", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert node.stderr is not None
+        seen = []
+        for line in node.stderr:  # the child's progress arrives before the node listens
+            seen.append(line)
+            if line.startswith("meshnode: layers 9:20"):
+                break
+        assert any("cutting layers 9:20" in ln and "% (" in ln for ln in seen), seen
+        assert node.stdout is not None
+        assert "listening on" in node.stdout.readline()
+    finally:
+        node.terminate()
+        node.wait(30)
+        for pipe in (node.stdout, node.stderr):
+            if pipe is not None:
+                pipe.close()
