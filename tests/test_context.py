@@ -8,6 +8,9 @@ logits bit for bit.
 
 from __future__ import annotations
 
+import uuid
+
+import grpc
 import numpy as np
 import pytest
 import trio
@@ -15,8 +18,11 @@ import trio
 from meshnode import errors
 from meshnode.executor.context import CTX_ALIGN, check_fits, default_ctx_size, kv_bytes_per_token
 from meshnode.gguf import inspect_model
+from meshnode.proto import node_pb2 as pb
+from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, generate
-from tests.conftest import aio, cli, llama_reference
+from meshnode.wire.schema import SCHEMA_VERSION
+from tests.conftest import aio, cli, llama_reference, open_frame, step_frame
 
 #: a context above 4096 that a >= 4096-token prompt and a short continuation fit in
 LONG_CTX = 4352
@@ -124,3 +130,31 @@ async def test_route_equals_llama_at_a_long_context(model, node_factory):
     assert routed.tokens == ref.tokens
     for got, want in zip(routed.logits, ref.logits, strict=True):
         assert np.array_equal(got, want)
+
+
+async def test_a_hop_refuses_a_step_beyond_its_context_naming_the_flag(node_factory):
+    tail = node_factory("15:30", extra=("--ctx-size", "256", "--max-sessions", "1"))
+
+    async def go() -> tuple[pb.SessionReply, pb.SessionReply]:
+        async with grpc.aio.insecure_channel(tail.endpoint) as ch:
+            stub = pb_grpc.NodeStub(ch)
+            cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
+            assert cap.numerics.n_ctx_per_session == 256
+            sid = str(uuid.uuid4())
+            call = stub.Session()
+            await call.write(open_frame(sid, cap))
+            assert (await call.read()).HasField("accepted")
+            x = np.random.default_rng(0).standard_normal((300, cap.n_embd)).astype(np.float32)
+            await call.write(step_frame(sid, 1, x, 0, sample=True))
+            refused = await call.read()
+            await call.write(step_frame(sid, 2, x[:3], 0, sample=True))  # the session goes on
+            ok = await call.read()
+            call.cancel()
+            return refused, ok
+
+    with trio.fail_after(60):
+        refused, ok = await aio(go)
+    assert pb.ErrorCode.Name(refused.error.code) == "INVALID_ARGUMENT"
+    assert "--ctx-size" in refused.error.message
+    assert not refused.error.terminal
+    assert ok.HasField("result")
