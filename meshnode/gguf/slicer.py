@@ -105,6 +105,11 @@ class RangeArtifact:
         return str(self.manifest["range_digest"])
 
 
+def tensor_sha256(t: Any) -> str:
+    """sha256 of a gguf-py ReaderTensor's bytes (what ``tensor_table`` records for it)."""
+    return hashlib.sha256(np.ascontiguousarray(t.data).view(np.uint8).data).hexdigest()
+
+
 def range_digest(tensors: dict[str, dict[str, Any]]) -> str:
     """One digest over every tensor of a range: sha256 of sorted 'name type shape sha' lines."""
     lines = (
