@@ -54,9 +54,9 @@ class Reference:
     logits: list[np.ndarray]
 
 
-def llama_reference(model: Path, prompt: str, n: int) -> Reference:
-    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings."""
-    llm = llama_cpp.Llama(str(model), verbose=False)
+def llama_reference(model: Path, prompt: str, n: int, n_ctx: int = 512) -> Reference:
+    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings (``n_ctx``: its default)."""
+    llm = llama_cpp.Llama(str(model), n_ctx=n_ctx, verbose=False)
     try:
         toks = llm.tokenize(prompt.encode(), special=True)
         out: list[int] = []

@@ -23,6 +23,7 @@ def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
         "endpoints": list(cap.endpoints),
         "model": cap.model_fingerprint,
         "model_name": cap.model_name,
+        "model_file": cap.model_file,
         "range": [cap.range.start, cap.range.end],
         "role": cap.role,
         "n_layer": cap.n_layer,
@@ -84,7 +85,7 @@ def mean_batch(steps: int, batches: int) -> float:
 
 
 def matches(view: dict[str, Any], query: str) -> bool:
-    return model_matches(str(view["model"]), str(view["model_name"]), query)
+    return model_matches(str(view["model"]), str(view["model_name"]), query, str(view.get("model_file", "")))
 
 
 def lookup(views: list[dict[str, Any]], query: str) -> dict[str, Any]:
