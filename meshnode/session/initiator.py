@@ -279,9 +279,13 @@ class RouteSession:
                                               credit=pb.CreditGrant(credits=owed)))
 
     async def release(self) -> None:
+        """Release the session and wait for its answer. A Generate stopped early (a stop string) may
+        still have results on the way: they are read past (each read bounded by the step timeout)."""
         try:
-            await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
-                                                 release=pb.ReleaseSignal()))
+            await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
+                                              release=pb.ReleaseSignal()))
+            while (await self._read()).HasField("result"):
+                pass
         finally:
             await self.close()
 
