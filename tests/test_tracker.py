@@ -388,3 +388,25 @@ async def test_a_garbled_tracker_answer_is_a_typed_error_and_bad_entries_are_ski
             peers = await lookup(url, FP)
             assert [p.node_id for p in peers] == ([me.node_id] if found else [])
         nursery.cancel_scope.cancel()
+
+
+async def test_hostile_advertised_text_stays_text_and_the_page_still_fits(tracker, browser):
+    """A node's claims (endpoint, CPU, model name) are shown escaped and cut to fit 1280 px."""
+    _, url, _ = tracker
+    me = NodeIdentity.generate()
+    cap = _cap(me)
+    del cap.endpoints[:]
+    cap.endpoints.append("h" * 300 + ":7001")
+    cap.model_name = "<img src=x onerror=\"document.body.dataset.owned='1'\">" + "M" * 200
+    cap.hardware.cpu_model = "<script>document.body.dataset.owned='1'</script>" + " very long cpu" * 30
+    code, doc = _post(url + "/api/register", advertise(me, cap, pb.HealthReply(), seq=1,
+                                                        now=int(time.time())).SerializeToString())
+    assert (code, doc["ok"]) == (200, True)
+    br = browser
+    page = await br(br.browser.new_page, viewport={"width": WIDTH, "height": 800})
+    await br(page.goto, url + "/")
+    shown = await _until(br, page, lambda s: me.node_id in s["rows"])
+    assert "<script>document.body" in shown["text"]  # shown as text, not run
+    assert await br(page.evaluate, "document.body.dataset.owned") is None
+    await _layout_fits(br, page)
+    await br(page.close)
