@@ -247,6 +247,14 @@ def browser() -> Iterator[Browser]:
         pool.shutdown()
 
 
+async def _status_until(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
+    """Poll /api/status until ``pred`` holds; bounded."""
+    with trio.fail_after(timeout):
+        while not pred(status := await trio.to_thread.run_sync(_get, url + "/api/status")):  # noqa: ASYNC110
+            await trio.sleep(0.2)
+    return status
+
+
 async def _until(br: Browser, page: Any, pred: Callable[[dict[str, Any]], bool],
                  timeout: float = 30.0) -> dict[str, Any]:
     """Poll what the page shows (it refreshes itself every 2 s) until ``pred`` holds; bounded.
@@ -291,8 +299,8 @@ async def test_the_status_page_tells_the_truth_in_a_real_browser(tracker, node_f
     extra = ("--tracker", url)  # the default heartbeat (10 s): what is fresh on the page comes from the probes
     head = node_factory("0:15", extra=extra)
     tail = node_factory("15:30", extra=extra)
-    registered = _wait(lambda: (s := _get(url + "/api/status")) and len(s["nodes"]) == 2 and s["nodes"])
-    ids = {n["endpoints"][0]: n["node_id"] for n in registered}
+    registered = await _status_until(url, lambda s: len(s["nodes"]) == 2)
+    ids = {n["endpoints"][0]: n["node_id"] for n in registered["nodes"]}
     br = browser
     page = await br(br.browser.new_page, viewport={"width": WIDTH, "height": 800})
     await br(page.goto, url + "/")
@@ -317,8 +325,8 @@ async def test_the_status_page_tells_the_truth_in_a_real_browser(tracker, node_f
     assert run.proc.returncode == 0, run.text()
     result = json.loads(run.stdout)
     served = len(result["prompt_tokens"]) + len(result["tokens"]) - 1  # the prompt, then one per later token
-    status = _wait(lambda: (s := _get(url + "/api/status"))
-                   and all(n["tokens_total"] == served and n["live_sessions"] == 0 for n in s["nodes"]) and s)
+    status = await _status_until(url, lambda s: all(n["tokens_total"] == served and n["live_sessions"] == 0
+                                                    for n in s["nodes"]))
     for n in status["nodes"]:
         # one session alone: a step per token (the prefill, then the decodes), each its own llama_decode
         assert (n["steps_total"], n["batches_total"], n["mean_batch"]) == (len(result["tokens"]),) * 2 + (1.0,)
