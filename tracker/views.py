@@ -10,6 +10,10 @@ from meshnode.routing.assign import model_matches
 from tracker.liveness import FAIL_LIMIT, ProbeState, freshest, judge
 from tracker.registry import Entry, Registry
 
+#: layers a model is shown with at most: n_layer is the node's claim, and the coverage map is a list per layer
+#: (the deepest models known have a few hundred)
+MAX_LAYERS = 1024
+
 
 def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
               fail_limit: int = FAIL_LIMIT) -> dict[str, Any]:
@@ -127,7 +131,7 @@ def status(views: list[dict[str, Any]]) -> dict[str, Any]:
     models: dict[str, dict[str, Any]] = {}
     for v in views:
         m = models.setdefault(v["model"], {"fingerprint": v["model"], "name": v["model_name"],
-                                           "n_layer": v["n_layer"], "nodes": [], "dead": []})
+                                           "n_layer": min(v["n_layer"], MAX_LAYERS), "nodes": [], "dead": []})
         m["nodes"].append(v["node_id"])
         if not v["alive"]:
             m["dead"].append(v["node_id"])
