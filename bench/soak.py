@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in cuts:  # cut here, so neither node's memory includes cutting its artifact
         a, b = c.split(":")
         ensure_range(model, int(a), int(b))
-    extra = ["--max-sessions", str(ns.max_sessions), "--metrics", "127.0.0.1:0", *shlex.split(ns.node_flags)]
+    extra = ["--max-sessions", str(ns.max_sessions), "--ctx-size", "512", "--metrics", "127.0.0.1:0",
+             *shlex.split(ns.node_flags)]
     print(f"command: python -m bench.soak {shlex.join(sys.argv[1:] if argv is None else argv)}")
     print(f"model {model.name}, cuts {','.join(cuts)}, node flags {shlex.join(extra)}; {ns.sessions} workers for "
           f"{ns.duration:.0f}s (warm-up {ns.warmup:.0f}s), a sample every {ns.sample_every:.0f}s; "

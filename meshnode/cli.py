@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import trio
 
@@ -87,10 +87,19 @@ def cmd_model_pull(ns: argparse.Namespace) -> int:
 
 
 def cmd_model_slice(ns: argparse.Namespace) -> int:
+    """The artifact as JSON on stdout; progress and a one-line summary on stderr."""
+    import time
+
     from meshnode.gguf import ensure_range
+    from meshnode.gguf.progress import LineProgress
 
     start, end = parse_layers(ns.layers)
-    art = ensure_range(_model(ns), start, end)
+    model = _model(ns)
+    t0 = time.monotonic()
+    art = ensure_range(model, start, end, LineProgress(f"cutting layers {start}:{end} of {model.name}"))
+    size = sum(f.stat().st_size for f in (art.dir / "range.gguf", art.dir / "vocab.gguf") if f.exists())
+    print(f"meshnode: layers {start}:{end} of {model.name} ({art.role.value}): {size / 1e6:.0f} MB in {art.dir}, "
+          f"range digest {art.range_digest[:12]}… ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     print(json.dumps({"dir": str(art.dir), "role": art.role.value, "range": [start, end],
                       "range_digest": art.range_digest, "fingerprint": art.fingerprint}))
     return 0
@@ -115,6 +124,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.node import NodeConfig, run_node
 
     ns = _node_settings(ns)
+    if ns.tracker:
+        check_url(ns.tracker)
     if getattr(ns, "join", False) and ns.auto:
         if ns.layers:
             raise errors.InputError("give --layers or --auto, not both")
@@ -179,6 +190,30 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     from meshnode.generation import Runner
 
     return run_chat(Runner.from_flags(ns), system=ns.system)
+
+
+def _check_endpoints(ns: argparse.Namespace) -> None:
+    """Every HOST:PORT and URL flag of ``generate``, before anything connects."""
+    from meshnode.transport.server import split_hostport
+
+    for flag, values in (("--peer", ns.peer), ("--spare", ns.spare)):
+        for v in values:
+            split_hostport(v, flag)
+    if ns.tracker:
+        check_url(ns.tracker)
+
+
+def check_url(url: str, flag: str = "--tracker") -> None:
+    """An http(s)://HOST[:PORT] URL, or InputError naming ``flag``."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a port that is not a number, or out of range
+        ok = False
+    if not ok:
+        raise errors.InputError(f"{flag} {url!r} is not a URL like http://HOST:PORT")
 
 
 def _stream_printer(as_json: bool) -> Callable[[int | None, bytes], None]:
@@ -390,8 +425,23 @@ def _add_sampling_flags(p: argparse.ArgumentParser, *, temperature: float = 0.0)
 # -- parser ---------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (``--layer`` is not ``--layers``), and a usage error is one line.
+
+    Subparsers are made by ``type(parent)`` (argparse's ``parser_class``), so
+    every subcommand's parser is one of these too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"meshnode: error: {errors.InputError.code}: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="meshnode", description="Run a GGUF model split by layer ranges across nodes.")
+    ap = _Parser(prog="meshnode", description="Run a GGUF model split by layer ranges across nodes.")
     ap.add_argument("--version", action="version", version=f"meshnode {__version__}")
     ap.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp and debug logs")
     ap.add_argument("--log-json", action="store_true", help="logs as JSON lines (the default under systemd)")

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnode import errors
 
@@ -140,7 +141,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, "INVALID_ARGUMENT", exc.detail)
 
 
-def asgi_app(routes: Sequence[BaseRoute]) -> Starlette:
+def asgi_app(routes: Sequence[BaseRoute]) -> ASGIApp:
     """A starlette app of ``routes`` whose errors are meshnode's JSON errors."""
-    return Starlette(routes=list(routes), exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=list(routes), exception_handlers={HTTPException: _http_error})
 
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_or_drop(message: Message) -> None:
+            try:
+                await send(message)
+            except trio.BusyResourceError:
+                # hypercorn's trio worker half-closes a connection whose request h11 refused (send_eof,
+                # outside its send lock) while the app may still be answering it: that send collides.
+                # The client broke the protocol and the connection is closing: drop the rest of the answer.
+                pass
+
+        await app(scope, receive, send_or_drop)
+
+    return guarded

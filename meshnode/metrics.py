@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from meshnode.httpserve import asgi_app
 
@@ -60,7 +60,7 @@ class NodeMetrics:
         n = _sum(self.steps, "_count")
         return _sum(self.steps, "_sum") / n if n else 0.0
 
-    def asgi(self) -> Starlette:
+    def asgi(self) -> ASGIApp:
         """``GET /metrics``: the ASGI app the node's ``--metrics`` listener serves."""
 
         async def scrape(request: Request) -> Response:

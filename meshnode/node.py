@@ -33,7 +33,7 @@ from meshnode.runtime import RuntimeDir, node_state_dir
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
 from meshnode.session.hop import HopLimits
 from meshnode.transport.aiothread import AioThread, open_aio_thread
-from meshnode.transport.server import serve_grpc, split_hostport
+from meshnode.transport.server import check_listen, serve_grpc, split_hostport
 from meshnode.transport.servicer import NodeServicer
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION, SERVICE_NAME
@@ -89,6 +89,7 @@ def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, i
         node_version=__version__,
         model_fingerprint=artifact.fingerprint,
         model_name=src["name"],
+        model_file=Path(src["file"]).name,
         arch=src["arch"],
         n_layer=src["n_layer"],
         n_embd=src["n_embd"],
@@ -117,16 +118,18 @@ def prepare(config: NodeConfig) -> RangeArtifact:
     metadata costs far more memory than serving a range, and a node's RSS should
     be what it serves, not what it once parsed.
     """
-    split_hostport(config.listen)
+    check_listen(config.listen)
+    if config.metrics:
+        split_hostport(config.metrics, "--metrics")
     check_file(config.model)
     art = cached_range(config.model, config.start, config.end)
     if art is not None:
         return art
     cmd = [sys.executable, "-m", "meshnode", "model", "slice", "--model", str(config.model),
            "--layers", f"{config.start}:{config.end}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise _child_error(proc.stderr)
+    returncode, stderr = _run_streaming(cmd)
+    if returncode != 0:
+        raise _child_error(stderr)
     art = cached_range(config.model, config.start, config.end)
     if art is None:
         raise errors.ModelError(f"cutting layers {config.start}:{config.end} left no artifact")
@@ -138,6 +141,20 @@ def prepare_verified(config: NodeConfig) -> RangeArtifact:
     art = prepare(config)
     verify_artifact(art)
     return art
+
+
+def _run_streaming(cmd: list[str]) -> tuple[int, str]:
+    """Run the cutting child; its progress lines go on to our stderr as they come (a cut takes
+    seconds), its error lines are kept for ``_child_error``. Blocking."""
+    kept: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            kept.append(line)
+            if line.startswith("meshnode: ") and not line.startswith("meshnode: error:"):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+    return proc.returncode, "".join(kept[-50:])
 
 
 def _child_error(stderr: str) -> errors.MeshnodeError:

@@ -50,13 +50,13 @@ def model() -> Path:
 class Reference:
     prompt_tokens: list[int]
     tokens: list[int]
-    #: logits of the last prompt token, then of each generated token
+    #: logits of the last prompt token, then of each generated token (and of the end-of-generation one)
     logits: list[np.ndarray]
 
 
-def llama_reference(model: Path, prompt: str, n: int) -> Reference:
-    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings."""
-    llm = llama_cpp.Llama(str(model), verbose=False)
+def llama_reference(model: Path, prompt: str, n: int, n_ctx: int = 512) -> Reference:
+    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings (``n_ctx``: its default)."""
+    llm = llama_cpp.Llama(str(model), n_ctx=n_ctx, verbose=False)
     try:
         toks = llm.tokenize(prompt.encode(), special=True)
         out: list[int] = []
@@ -66,17 +66,17 @@ def llama_reference(model: Path, prompt: str, n: int) -> Reference:
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
             logits.append(row)
             tok = int(np.argmax(row))
-            out.append(tok)
             if llm.token_eos() == tok:
-                break
+                break  # as in Llama.create_completion: the end-of-generation token is not part of the tokens
+            out.append(tok)
             llm.eval([tok])
         # the same tokens through Llama's own sampling loop (greedy = temp 0)
         llm.reset()
         via_generate: list[int] = []
         for t in llm.generate(toks, temp=0.0, repeat_penalty=1.0):
-            via_generate.append(t)
             if len(via_generate) == len(out):
                 break
+            via_generate.append(t)
         assert via_generate == out
         return Reference(toks, out, logits)
     finally:

@@ -94,7 +94,8 @@ def api(api_factory: Any, route2: list[NodeProcess]) -> Api:
 def test_models_lists_the_covered_model_by_name_and_fingerprint(api: Api, route2: list[NodeProcess]) -> None:
     models = api.client().models.list().data
     assert len(models) == 1
-    assert models[0].id == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+    assert models[0].id == "SmolLM2-135M-Instruct.Q4_1"  # the file name, as `model pull` shows it
+    assert models[0].model_extra["name"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"
     assert re.fullmatch(r"[0-9a-f]{64}", models[0].model_extra["fingerprint"])
 
 
@@ -174,7 +175,7 @@ def test_unseeded_sampling_reports_its_seed_and_repeats(api: Api) -> None:
 def test_errors_are_openai_errors_with_fitting_codes(api: Api, api_factory: Any, route2: list[NodeProcess]) -> None:
     c = api.client()
     model = c.models.list().data[0].id
-    with pytest.raises(openai.NotFoundError, match="known models: Smollm2"):
+    with pytest.raises(openai.NotFoundError, match="known models: Smollm2 135M"):
         c.completions.create(model="no-such-model", prompt="x")
     for bad in ({"temperature": -1}, {"max_tokens": 0}, {"top_p": 2.0}, {"stop": [1, 2]}, {"n": 2}):
         with pytest.raises(openai.BadRequestError) as info:

@@ -284,7 +284,7 @@ async def test_hostile_requests_are_refused_and_the_surface_keeps_serving(surfac
     await surface.healthy()
     assert _rss(surface.pid) - rss_before < RSS_GROWTH
     assert surface.alive()
-    assert "Traceback" not in surface.log()  # every refusal was the server library's or ours, none a crash
+    assert "Traceback" not in surface.log(), surface.log()[-6000:]  # every refusal: the library's or ours, no crash
 
 
 async def test_the_tracker_client_refuses_an_oversized_or_endless_answer():

@@ -31,6 +31,7 @@ from meshnode.session.completion import Completion
 from meshnode.session.initiator import GenerateConfig, GenerationResult, generate
 from meshnode.session.local import generate_local
 from meshnode.session.sampling import SamplingParams, check_sampling, from_pb, to_pb
+from meshnode.transport.client import health
 from tests.conftest import PROMPT, aio, cli, initiator
 
 N = 32
@@ -80,6 +81,10 @@ async def test_route_and_local_equal_llama_create_completion(model, route2, para
     if stop:  # the case must exercise the cut it claims to
         assert routed.stop_reason == "stop"
         assert not any(s in routed.text for s in stop)
+        # ended mid-Generate (the head was still decoding): the release frees every hop's KV at once
+        for n in route2:
+            h = await aio(health, n.endpoint)
+            assert (h.live_sessions, h.detached_sessions) == (0, 0), n.endpoint
     assert routed.seed == (params.seed if params.temperature > 0 else None)
 
 

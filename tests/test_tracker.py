@@ -247,6 +247,14 @@ def browser() -> Iterator[Browser]:
         pool.shutdown()
 
 
+async def _status_until(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
+    """Poll /api/status until ``pred`` holds; bounded."""
+    with trio.fail_after(timeout):
+        while not pred(status := await trio.to_thread.run_sync(_get, url + "/api/status")):  # noqa: ASYNC110
+            await trio.sleep(0.2)
+    return status
+
+
 async def _until(br: Browser, page: Any, pred: Callable[[dict[str, Any]], bool],
                  timeout: float = 30.0) -> dict[str, Any]:
     """Poll what the page shows (it refreshes itself every 2 s) until ``pred`` holds; bounded.
@@ -291,8 +299,8 @@ async def test_the_status_page_tells_the_truth_in_a_real_browser(tracker, node_f
     extra = ("--tracker", url)  # the default heartbeat (10 s): what is fresh on the page comes from the probes
     head = node_factory("0:15", extra=extra)
     tail = node_factory("15:30", extra=extra)
-    registered = _wait(lambda: (s := _get(url + "/api/status")) and len(s["nodes"]) == 2 and s["nodes"])
-    ids = {n["endpoints"][0]: n["node_id"] for n in registered}
+    registered = await _status_until(url, lambda s: len(s["nodes"]) == 2)
+    ids = {n["endpoints"][0]: n["node_id"] for n in registered["nodes"]}
     br = browser
     page = await br(br.browser.new_page, viewport={"width": WIDTH, "height": 800})
     await br(page.goto, url + "/")
@@ -317,8 +325,8 @@ async def test_the_status_page_tells_the_truth_in_a_real_browser(tracker, node_f
     assert run.proc.returncode == 0, run.text()
     result = json.loads(run.stdout)
     served = len(result["prompt_tokens"]) + len(result["tokens"]) - 1  # the prompt, then one per later token
-    status = _wait(lambda: (s := _get(url + "/api/status"))
-                   and all(n["tokens_total"] == served and n["live_sessions"] == 0 for n in s["nodes"]) and s)
+    status = await _status_until(url, lambda s: all(n["tokens_total"] == served and n["live_sessions"] == 0
+                                                    for n in s["nodes"]))
     for n in status["nodes"]:
         # one session alone: a step per token (the prefill, then the decodes), each its own llama_decode
         assert (n["steps_total"], n["batches_total"], n["mean_batch"]) == (len(result["tokens"]),) * 2 + (1.0,)
@@ -391,3 +399,25 @@ async def test_a_garbled_tracker_answer_is_a_typed_error_and_bad_entries_are_ski
             peers = await lookup(url, FP)
             assert [p.node_id for p in peers] == ([me.node_id] if found else [])
         nursery.cancel_scope.cancel()
+
+
+async def test_hostile_advertised_text_stays_text_and_the_page_still_fits(tracker, browser):
+    """A node's claims (endpoint, CPU, model name) are shown escaped and cut to fit 1280 px."""
+    _, url, _ = tracker
+    me = NodeIdentity.generate()
+    cap = _cap(me)
+    del cap.endpoints[:]
+    cap.endpoints.append("h" * 300 + ":7001")
+    cap.model_name = "<img src=x onerror=\"document.body.dataset.owned='1'\">" + "M" * 200
+    cap.hardware.cpu_model = "<script>document.body.dataset.owned='1'</script>" + " very long cpu" * 30
+    code, doc = _post(url + "/api/register", advertise(me, cap, pb.HealthReply(), seq=1,
+                                                        now=int(time.time())).SerializeToString())
+    assert (code, doc["ok"]) == (200, True)
+    br = browser
+    page = await br(br.browser.new_page, viewport={"width": WIDTH, "height": 800})
+    await br(page.goto, url + "/")
+    shown = await _until(br, page, lambda s: me.node_id in s["rows"])
+    assert "<script>document.body" in shown["text"]  # shown as text, not run
+    assert await br(page.evaluate, "document.body.dataset.owned") is None
+    await _layout_fits(br, page)
+    await br(page.close)

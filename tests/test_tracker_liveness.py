@@ -191,6 +191,14 @@ def test_a_route_session_is_counted_once_not_once_per_hop():
     assert views.route_sessions([], 30) == 0
 
 
+def test_a_claimed_layer_count_is_bounded():
+    v = views.node_view(_entry(0, 15, "127.0.0.1:1", now := time.time()), now, TTL)
+    v["n_layer"] = 2**32 - 1  # a node's claim: the coverage map must not become four billion lists
+    (m,) = views.status([v])["models"]
+    assert m["n_layer"] == views.MAX_LAYERS == len(m["coverage"])
+    assert m["gaps"] == [[15, views.MAX_LAYERS]]
+
+
 def test_gaps():
     assert views.gaps([["a"], [], [], ["b"], []]) == [[1, 3], [4, 5]]
     assert views.gaps([["a"]]) == []

@@ -18,10 +18,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from meshnode import errors
 from meshnode.httpserve import NO_STORE, asgi_app, error_response, json_response, read_body
@@ -43,7 +43,7 @@ METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
 class Tracker:
     registry: Registry
 
-    def asgi(self) -> Starlette:
+    def asgi(self) -> ASGIApp:
         """The ASGI app (served by ``meshnode.httpserve.serve_asgi``): every request goes to ``handle``."""
         return asgi_app([Route("/{path:path}", self.handle, methods=METHODS)])
 

@@ -128,7 +128,7 @@ def judge(state: ProbeState | None, last_seen: float, now: float, ttl: float,
     if state.failures:
         return Verdict(True, f"{_probes(state.failures)} failed ({state.error}); heartbeat {silent:.0f} s ago",
                        "probe")
-    return Verdict(True, f"answered a probe {max(0.0, now - state.last_ok):.0f} s ago", "probe")
+    return Verdict(True, f"answered a probe {max(0.0, now - state.last_ok):.1f} s ago", "probe")
 
 
 def _probes(n: int) -> str:

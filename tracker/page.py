@@ -19,8 +19,10 @@ PAGE = r"""<!doctype html>
   h2 .muted { font-size: 13px; font-weight: normal; }
   .muted { color: #6b7480; }
   small { font-size: 11px; color: #6b7480; font-weight: normal; }
+  .model { overflow-wrap: anywhere; }
   .model { background: #fff; border: 1px solid #dde1e6; border-radius: 8px; padding: 12px 16px; margin: 12px 0; }
   .model.lost { border-color: #e0a3a3; }
+  .model .scroll { overflow-x: auto; }
   table.cov { border-collapse: collapse; margin-top: 8px; }
   table.cov td, table.cov th { border: 1px solid #e3e6ea; width: 18px; height: 18px; padding: 0;
                                text-align: center; font-size: 10px; }
@@ -34,7 +36,7 @@ PAGE = r"""<!doctype html>
   table.nodes th { white-space: normal; line-height: 1.2; }
   table.nodes td { white-space: nowrap; }
   table.nodes td.num, table.nodes th.num { text-align: right; }
-  table.nodes td.wrap { white-space: normal; min-width: 120px; max-width: 220px; }
+  table.nodes td.wrap { white-space: normal; min-width: 120px; max-width: 220px; overflow-wrap: anywhere; }
   tr.dead td { background: #fbeaea; color: #7a4444; }
   .ok { color: #2f8f5b; font-weight: 600; } .bad { color: #b3261e; font-weight: 600; }
   .badge { display: inline-block; padding: 0 6px; border-radius: 4px; font-weight: 700; font-size: 12px; }
@@ -66,6 +68,7 @@ function plural(n, word) { return n + " " + word + (n === 1 ? "" : "s"); }
 function span(k, v, cls) {
   return "<span data-k='" + k + "'" + (cls ? " class='" + cls + "'" : "") + ">" + esc(v) + "</span>";
 }
+function cut(s, n) { return s.length > n ? s.slice(0, n - 1) + "\u2026" : s; }
 function layers(a, b) { return b - a === 1 ? "layer " + a : "layers " + a + "&ndash;" + (b - 1); }
 function model(m) {
   const dead = new Set(m.dead);
@@ -96,7 +99,7 @@ function model(m) {
     plural(m.n_layer, "layer") + " &middot; " + plural(alive, "live node") +
     (m.dead.length ? " (+" + m.dead.length + " dead)" : "") + " &middot; " + state + " &middot; " +
     "<span data-k='active_sessions'>" + plural(m.active_sessions, "active session") + "</span>" +
-    "<table class='cov'>" + rows + "</table></div>";
+    "<div class='scroll'><table class='cov'>" + rows + "</table></div></div>";
 }
 function node(n) {
   const dev = n.devices.map(d => d.type).join("+");
@@ -105,7 +108,7 @@ function node(n) {
     "<span class='badge bad' data-k='liveness'>dead</span>";
   return "<tr data-node='" + esc(n.node_id) + "'" + (n.alive ? "" : " class='dead'") + ">" +
     "<td title='" + esc(n.node_id) + "'><code>" + esc(n.node_id.slice(0, 12)) + "</code></td>" +
-    "<td>" + esc(n.endpoints.join(", ")) + "</td>" +
+    "<td title='" + esc(n.endpoints.join(", ")) + "'>" + esc(cut(n.endpoints[0] || "", 28)) + "</td>" +
     "<td>" + n.range[0] + ":" + n.range[1] + " <small>" + esc(n.role) + "</small></td>" +
     "<td class='num'>" + n.decode_tokens_per_second + "</td><td class='num'>" + n.prefill_tokens_per_second + "</td>" +
     "<td>" + span("live_sessions", n.live_sessions) + " live / " + span("free_sessions", n.free_sessions) +

@@ -10,6 +10,10 @@ from meshnode.routing.assign import model_matches
 from tracker.liveness import FAIL_LIMIT, ProbeState, freshest, judge
 from tracker.registry import Entry, Registry
 
+#: layers a model is shown with at most: n_layer is the node's claim, and the coverage map is a list per layer
+#: (the deepest models known have a few hundred)
+MAX_LAYERS = 1024
+
 
 def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
               fail_limit: int = FAIL_LIMIT) -> dict[str, Any]:
@@ -23,6 +27,7 @@ def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
         "endpoints": list(cap.endpoints),
         "model": cap.model_fingerprint,
         "model_name": cap.model_name,
+        "model_file": cap.model_file,
         "range": [cap.range.start, cap.range.end],
         "role": cap.role,
         "n_layer": cap.n_layer,
@@ -84,7 +89,7 @@ def mean_batch(steps: int, batches: int) -> float:
 
 
 def matches(view: dict[str, Any], query: str) -> bool:
-    return model_matches(str(view["model"]), str(view["model_name"]), query)
+    return model_matches(str(view["model"]), str(view["model_name"]), query, str(view.get("model_file", "")))
 
 
 def lookup(views: list[dict[str, Any]], query: str) -> dict[str, Any]:
@@ -126,7 +131,7 @@ def status(views: list[dict[str, Any]]) -> dict[str, Any]:
     models: dict[str, dict[str, Any]] = {}
     for v in views:
         m = models.setdefault(v["model"], {"fingerprint": v["model"], "name": v["model_name"],
-                                           "n_layer": v["n_layer"], "nodes": [], "dead": []})
+                                           "n_layer": min(v["n_layer"], MAX_LAYERS), "nodes": [], "dead": []})
         m["nodes"].append(v["node_id"])
         if not v["alive"]:
             m["dead"].append(v["node_id"])

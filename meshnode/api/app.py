@@ -85,8 +85,10 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "meshnode", "fingerprint": m.fingerprint,
-                 "n_layer": m.n_layer, "nodes": len(m.nodes)} for m in self.mesh.models() if m.covered]
+        # the id is the file name (what `model pull` shows); its general name and fingerprint name it too
+        data = [{"id": m.file or m.name, "object": "model", "created": 0, "owned_by": "meshnode", "name": m.name,
+                 "fingerprint": m.fingerprint, "n_layer": m.n_layer, "nodes": len(m.nodes)}
+                for m in self.mesh.models() if m.covered]
         return JSONResponse({"object": "list", "data": data})
 
     def _denied(self, request: Request) -> Response | None:

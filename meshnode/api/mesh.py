@@ -23,9 +23,8 @@ from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
 from meshnode.discovery.tracker_client import lookup_all
-from meshnode.routing.assign import model_matches
 from meshnode.session.initiator import check_attested
-from meshnode.session.mesh import Discovered, choose_among, covered
+from meshnode.session.mesh import Discovered, choose_among, covered, matches
 from meshnode.transport.aiothread import AioRun
 from meshnode.transport.client import get_capability
 
@@ -47,7 +46,10 @@ class MeshSource:
 @dataclass(frozen=True)
 class Model:
     fingerprint: str
+    #: general.name
     name: str
+    #: the file name the nodes cut it from, without ``.gguf`` ("" if they do not say)
+    file: str
     n_layer: int
     #: node ids serving some of its layers
     nodes: tuple[str, ...]
@@ -112,7 +114,8 @@ class MeshView:
         by_fp: dict[str, list[PeerEntry]] = {}
         for p in self.table.live().values():
             by_fp.setdefault(p.capability.model_fingerprint, []).append(p)
-        return sorted((Model(fp, ps[0].capability.model_name, ps[0].capability.n_layer,
+        return sorted((Model(fp, ps[0].capability.model_name, ps[0].capability.model_file.removesuffix(".gguf"),
+                             ps[0].capability.n_layer,
                              tuple(sorted(p.node_id for p in ps)), covered(ps)) for fp, ps in by_fp.items()),
                       key=lambda m: (m.name, m.fingerprint))
 
@@ -121,8 +124,7 @@ class MeshView:
 
         ModelNotFoundError (listing the models known) if none; InputError if it names several.
         """
-        peers = [p for p in self.table.live().values()
-                 if model_matches(p.capability.model_fingerprint, p.capability.model_name, query)]
+        peers = [p for p in self.table.live().values() if matches(p, query)]
         if not peers:
             known = ", ".join(f"{m.name} ({m.fingerprint[:12]})" for m in self.models()) or "none"
             raise errors.ModelNotFoundError(f"no known node serves a model named {query!r}; known models: {known}")

@@ -64,6 +64,17 @@ async def run_heartbeat(url: str, ident: NodeIdentity, capability: Callable[[], 
                 log.warning("could not deregister from %s: %s", url, e)
 
 
+async def tracker_models(url: str) -> list[tuple[str, str]]:
+    """(fingerprint, name) of each model the tracker's status lists (for a "models seen" message)."""
+    status, body = await request(url.rstrip("/") + "/api/status")
+    if status != 200:
+        raise errors.PeerError(f"tracker status failed with HTTP {status}", hop=url)
+    try:
+        return [(str(m["fingerprint"]), str(m["name"])) for m in json.loads(body)["models"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise errors.PeerError(f"the tracker's status is not meshnode's JSON: {e!r}", hop=url) from None
+
+
 async def lookup(url: str, query: str) -> list[PeerEntry]:
     """The tracker's live nodes of model ``query``, each advertisement verified here."""
     target = url.rstrip("/") + "/api/lookup?" + urllib.parse.urlencode({"model": query})

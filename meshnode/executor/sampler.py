@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import llama_cpp
@@ -86,10 +87,11 @@ class Chain:
             raise ExecutorError("llama_sampler_chain_init failed")
         self._chain = chain
         self._stack.callback(llama_cpp.llama_sampler_free, chain)
-        for smpl in _samplers(params, n_vocab):
+        for make in _samplers(params, n_vocab):
+            smpl = make()  # each is owned by the chain as soon as it is added (freed with it)
             if not smpl:
                 self.close()
-                raise ExecutorError("a llama.cpp sampler could not be created")
+                raise ExecutorError(f"llama.cpp could not create the sampler {make.func.__name__}")
             llama_cpp.llama_sampler_chain_add(chain, smpl)
         self._cur = np.zeros(n_vocab, dtype=TOKEN_DATA)
         self._ids = np.arange(n_vocab, dtype=np.int32)
@@ -132,16 +134,17 @@ class Chain:
         self.close()
 
 
-def _samplers(p: SamplingParams, n_vocab: int) -> list[llama_cpp.llama_sampler_p]:
+def _samplers(p: SamplingParams, n_vocab: int) -> list[functools.partial[llama_cpp.llama_sampler_p]]:
     """The samplers of ``Llama._init_sampler`` (llama-cpp-python 0.3.36, llama.py), in its order."""
-    out = [llama_cpp.llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.repeat_penalty,
-                                                  p.frequency_penalty, p.presence_penalty)]
+    make = functools.partial
+    out = [make(llama_cpp.llama_sampler_init_penalties, n_vocab, p.penalty_last_n, p.repeat_penalty,
+                p.frequency_penalty, p.presence_penalty)]
     if p.temperature == 0.0:
-        return [*out, llama_cpp.llama_sampler_init_greedy()]
+        return [*out, make(llama_cpp.llama_sampler_init_greedy)]
     min_keep = 1  # Llama: max(1, n_probs) with n_probs = 0
-    return [*out, llama_cpp.llama_sampler_init_top_k(p.top_k),
-            llama_cpp.llama_sampler_init_typical(p.typical_p, min_keep),
-            llama_cpp.llama_sampler_init_top_p(p.top_p, min_keep),
-            llama_cpp.llama_sampler_init_min_p(p.min_p, min_keep),
-            llama_cpp.llama_sampler_init_temp(p.temperature),
-            llama_cpp.llama_sampler_init_dist(p.seed)]
+    return [*out, make(llama_cpp.llama_sampler_init_top_k, p.top_k),
+            make(llama_cpp.llama_sampler_init_typical, p.typical_p, min_keep),
+            make(llama_cpp.llama_sampler_init_top_p, p.top_p, min_keep),
+            make(llama_cpp.llama_sampler_init_min_p, p.min_p, min_keep),
+            make(llama_cpp.llama_sampler_init_temp, p.temperature),
+            make(llama_cpp.llama_sampler_init_dist, p.seed)]

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+import numpy as np
+import numpy.typing as npt
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import quant_shape_to_byte_shape
 
 from meshnode.errors import ModelFormatError
 
@@ -62,17 +65,21 @@ class TensorInfo:
 @dataclass(frozen=True)
 class GGUFMeta:
     version: int
-    #: key -> value: scalars, strings, lists for short arrays, ArrayInfo for long ones
+    #: key -> value: scalars, strings, lists for short arrays, ArrayInfo for long ones (all lists if ``full``)
     fields: dict[str, Any]
     tensors: list[TensorInfo]
+    #: key -> (value type, element type for an array else None), as GGUFWriter.add_key_value takes them
+    types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
 
 
 class _Cursor:
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf, self.pos = buf, 0
+    def __init__(self, buf: mmap.mmap, full: bool) -> None:
+        self.buf, self.pos, self.full = buf, 0, full
+        #: the element type of the last array read (for ``GGUFMeta.types``)
+        self.last_item: int | None = None
 
     def take(self, fmt: str) -> Any:
         (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
@@ -101,7 +108,10 @@ class _Cursor:
 
     def array(self) -> Any:
         item, count = self.take("I"), self.take("Q")
-        if count > MAX_DECODED:
+        self.last_item = item
+        if item == _ARRAY:
+            raise ValueError("nested arrays are not supported")
+        if count > MAX_DECODED and not self.full:
             self._skip_items(item, count)
             return ArrayInfo(item, count)
         if item in _SCALAR:
@@ -132,8 +142,8 @@ def _tensor(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, i
     return name, dims, GGMLQuantizationType(cur.take("I")), cur.take("Q")
 
 
-def _parse(buf: mmap.mmap) -> GGUFMeta:
-    cur = _Cursor(buf)
+def _parse(buf: mmap.mmap, full: bool) -> GGUFMeta:
+    cur = _Cursor(buf, full)
     if buf[:4] != b"GGUF":
         raise ValueError("no GGUF magic")
     cur.pos = 4
@@ -142,9 +152,13 @@ def _parse(buf: mmap.mmap) -> GGUFMeta:
         raise ValueError(f"GGUF version {version} (a big-endian file?) is not supported")
     n_tensors, n_kv = cur.take("Q"), cur.take("Q")
     fields: dict[str, Any] = {}
+    types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
     for _ in range(n_kv):
         key = cur.string()
-        fields[key] = cur.value(cur.take("I"))
+        vtype = cur.take("I")
+        fields[key] = cur.value(vtype)
+        sub = GGUFValueType(cur.last_item) if vtype == _ARRAY and cur.last_item is not None else None
+        types[key] = (GGUFValueType(vtype), sub)
     raw = [_tensor(cur) for _ in range(n_tensors)]
     align = fields.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
@@ -157,19 +171,20 @@ def _parse(buf: mmap.mmap) -> GGUFMeta:
         for d in dims:
             n_elem *= d
         tensors.append(TensorInfo(name, dims, qtype, data + rel, n_elem * type_size // block))
-    return GGUFMeta(version, fields, tensors)
+    return GGUFMeta(version, fields, tensors, types)
 
 
-def read_meta(path: Path) -> GGUFMeta:
+def read_meta(path: Path, *, full: bool = False) -> GGUFMeta:
     """The metadata of the GGUF at ``path``; ModelFormatError if it cannot be parsed or is truncated.
 
-    The caller checks that the file exists and carries the magic first
-    (``model.check_file``), so that those get their own errors.
+    ``full``: decode long arrays too (the vocabulary, ~0.1 s for SmolLM2), for
+    copying them into a cut. The caller checks that the file exists and carries
+    the magic first (``model.check_file``), so that those get their own errors.
     """
     try:
         with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             size = len(buf)
-            meta = _parse(buf)
+            meta = _parse(buf, full)
     except (ValueError, struct.error, UnicodeDecodeError, KeyError, OSError) as e:
         raise ModelFormatError(f"{path} is a damaged GGUF: {e}") from e
     for t in meta.tensors:
@@ -178,3 +193,21 @@ def read_meta(path: Path) -> GGUFMeta:
                 f"{path} is truncated: tensor {t.name} ends at byte {t.offset + t.n_bytes} but the file has {size}"
             )
     return meta
+
+
+#: ggml types whose tensors gguf-py exposes as arrays of their own element type (others: bytes)
+_PLAIN = {
+    GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
+}
+
+
+def tensor_data(path: Path, t: TensorInfo) -> npt.NDArray[Any]:
+    """A read-only map of a tensor's bytes, shaped as gguf-py's ReaderTensor.data (for GGUFWriter.add_tensor)."""
+    shape = tuple(reversed(t.shape))
+    plain = _PLAIN.get(t.type)
+    if plain is None:
+        return np.memmap(path, dtype=np.uint8, mode="r", offset=t.offset,
+                         shape=quant_shape_to_byte_shape(shape, t.type))
+    return np.memmap(path, dtype=plain, mode="r", offset=t.offset, shape=shape)

@@ -658,6 +658,7 @@ class Capability(_message.Message):
     HARDWARE_FIELD_NUMBER: _builtins.int
     THROUGHPUT_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
+    MODEL_FILE_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """this node's schema version"""
     service: _builtins.str
@@ -686,6 +687,8 @@ class Capability(_message.Message):
     """llama-cpp-python version / llama.cpp system info"""
     node_id: _builtins.str
     """this node's id (meshnode.identity)"""
+    model_file: _builtins.str
+    """file name of the source GGUF, no directory ("SmolLM2-135M-Instruct.Q4_1.gguf"):"""
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the range this node serves"""
@@ -738,10 +741,11 @@ class Capability(_message.Message):
         hardware: Global___Hardware | None = ...,
         throughput: Global___Throughput | None = ...,
         endpoints: _abc.Iterable[_builtins.str] | None = ...,
+        model_file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attestation", b"attestation", "hardware", b"hardware", "limits", b"limits", "numerics", b"numerics", "range", b"range", "throughput", b"throughput"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "endpoints", b"endpoints", "hardware", b"hardware", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service", "throughput", b"throughput"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "endpoints", b"endpoints", "hardware", b"hardware", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_file", b"model_file", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service", "throughput", b"throughput"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

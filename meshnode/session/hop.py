@@ -18,7 +18,9 @@ seconds. An open with ``resume`` (a higher epoch, signed by the same
 initiator) adopts it (``adopt()``), keeps the confirmed positions, and the
 initiator's replay steps rebuild whichever hop holds nothing: a non-tail hop
 keeps its output rows per chunk (``history``) so that it can pass them on for
-positions it already holds, without recomputing them.
+positions it already holds, without recomputing them. A tail owns one
+llama.cpp sampler chain per session (``executor/sampler.py``), made at the
+open and, on a resume, rebuilt from the open's ``sampled`` tokens.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ reopens the route with ``resume`` under the next epoch (the other hops keep
 their KV state) and replays the history from the lowest position some hop
 lacks; the replaced hop recomputes it in the original chunking, so its KV
 cache — and every later token — is bit-identical to an uninterrupted run.
+The resume open also carries every token sampled so far (``sampled``): the
+tail rebuilds its llama.cpp sampler chain from them (penalty window and RNG),
+so the continuation is the uninterrupted run's at any temperature.
+
+The text is cut as ``Llama.create_completion`` cuts it (``completion.py``:
+end-of-generation, stop strings, max_tokens).
 """
 
 from __future__ import annotations
@@ -290,9 +296,13 @@ class RouteSession:
                                               credit=pb.CreditGrant(credits=owed)))
 
     async def release(self) -> None:
+        """Release the session and wait for its answer. A Generate stopped early (a stop string) may
+        still have results on the way: they are read past (each read bounded by the step timeout)."""
         try:
-            await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
-                                                 release=pb.ReleaseSignal()))
+            await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
+                                              release=pb.ReleaseSignal()))
+            while (await self._read()).HasField("result"):
+                pass
         finally:
             await self.close()
 
