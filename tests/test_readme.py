@@ -103,7 +103,7 @@ def test_sh_blocks_are_found_in_order():
 def test_the_readme_runs_as_written(tmp_path, model):
     readme = (ROOT / "README.md").read_text()
     blocks = sh_blocks(readme)
-    assert len(blocks) == 5, "a new README block: give it its checks below"
+    assert len(blocks) == 7, "a new README block: give it its checks below"
     for cmd in SKIPPED:
         assert cmd in readme, f"{cmd!r} is no longer in the README: update SKIPPED"
     work = tmp_path / "checkout"
@@ -143,8 +143,18 @@ def test_the_readme_runs_as_written(tmp_path, model):
     assert mesh["route"] == ["127.0.0.1:7004", "127.0.0.1:7005"]
     assert mesh["text"].strip()
     assert re.search(r"node \w+ \(layers 15:30, 127\.0\.0\.1:7005\) has left", out[3])
-    # 4: a route with a spare streams the whole model's text; leave --all stops the four nodes left
-    assert "listening on 127.0.0.1:7003" in out[4]
-    assert json.loads(local64.stdout)["text"] in out[4]
-    assert sorted(re.findall(r"127\.0\.0\.1:(\d+)\) has left", out[4])) == ["7001", "7002", "7003", "7004"]
+    # 4: sampling with a drawn seed, reported; the text cut before the stop string
+    (sampled,) = _json_lines(out[4])
+    assert isinstance(sampled["seed"], int)
+    assert f"seed {sampled['seed']}" in err[4]
+    assert "." not in sampled["text"]
+    # 5: the API: the model listed by its file name; a chat answer
+    (models, chat) = _json_lines(out[5])
+    assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["content"].strip()
+    # 6: a route with a spare streams the whole model's text; leave --all stops the four nodes left
+    assert "listening on 127.0.0.1:7003" in out[6]
+    assert json.loads(local64.stdout)["text"] in out[6]
+    assert sorted(re.findall(r"127\.0\.0\.1:(\d+)\) has left", out[6])) == ["7001", "7002", "7003", "7004"]
     assert find_nodes(state / "meshnode") == []
