@@ -8,6 +8,7 @@ line naming its code and, for a peer's failure, the hop.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import signal
@@ -361,7 +362,9 @@ def cmd_api(ns: argparse.Namespace) -> int:
                                 "--tracker URL and/or --mdns ADDR")
     for p in ns.peer:
         split_hostport(p)
-    cfg = api_config(ns.listen, ns.api_key)
+    if not ns.request_timeout > 0:
+        raise errors.InputError("--request-timeout must be a number of seconds > 0")
+    cfg = dataclasses.replace(api_config(ns.listen, ns.api_key), deadline=ns.request_timeout)
     check_exposure(cfg)
     source = MeshSource(peers=tuple(ns.peer), tracker=ns.tracker, mdns=ns.mdns)
 
@@ -536,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--mdns", metavar="ADDR", help="find the mesh's nodes over mDNS on this interface address")
     api.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' (required off loopback; or $MESHNODE_API_KEY)")
+    api.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="cut a request that takes longer with 504 (default 600)")
     api.set_defaults(func=cmd_api)
 
     demo = sub.add_parser("demo", help="start a two-hop local route on the default model and generate")

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,17 @@ class Api:
     proc: subprocess.Popen[str]
     addr: str
     log: Any
+    #: one openai client per key, closed with the API process
+    clients: dict[str, openai.OpenAI] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
         return f"http://{self.addr}/v1"
 
     def client(self, key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=120)
+        if key not in self.clients:
+            self.clients[key] = openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=120)
+        return self.clients[key]
 
     def stderr(self) -> str:
         self.log.seek(0)
@@ -72,6 +76,8 @@ def api_factory() -> Iterator[Any]:
 
     yield make
     for a in started:
+        for c in a.clients.values():
+            c.close()
         a.proc.terminate()
         a.proc.wait(15)
         assert a.proc.stdout is not None
@@ -268,9 +274,31 @@ async def test_a_node_serves_the_api_over_the_mesh_it_sees(node_factory: Any, wh
     node_factory("0:15", extra=("--mdns", "127.0.0.1"))
     tail = node_factory("15:30", extra=("--mdns", "127.0.0.1", "--api", "127.0.0.1:0"))
     url = json.loads((tail.state_dir / "node.json").read_text())["api"]
-    c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-    with trio.fail_after(30):
+    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as c, trio.fail_after(30):
         while not c.models.list().data:  # noqa: ASYNC110 (mDNS finds the head within a second or so)
             await trio.sleep(0.2)
-    got = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=12, temperature=0)
+        got = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=12, temperature=0)
     assert got.choices[0].text == whole.create_completion(PROMPT, max_tokens=12, temperature=0)["choices"][0]["text"]
+
+
+async def test_no_free_session_is_429_and_a_slow_request_is_504(api_factory: Any, node_factory: Any) -> None:
+    """One session per hop: while a long stream holds it, another request gets 429; a request that
+    outlives --request-timeout gets 504 (and its session is released)."""
+    nodes = [node_factory("0:15", extra=("--max-sessions", "1")), node_factory("15:30", extra=("--max-sessions", "1"))]
+    api = api_factory([n.endpoint for n in nodes], "--request-timeout", "3")
+    model = "SmolLM2-135M-Instruct"
+    with api.client().completions.create(model=model, prompt=PROMPT, max_tokens=3000, temperature=0,
+                                         stream=True) as stream:
+        next(iter(stream))  # the session is open on both hops
+        with pytest.raises(openai.RateLimitError) as info:
+            api.client().completions.create(model=model, prompt=PROMPT, max_tokens=4)
+        assert info.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+    with trio.fail_after(30):
+        while [(await aio(health, n.endpoint)).live_sessions for n in nodes] != [0, 0]:  # noqa: ASYNC110
+            await trio.sleep(0.05)
+    with pytest.raises(openai.APIStatusError) as slow:
+        api.client().completions.create(model=model, prompt=PROMPT, max_tokens=3000, temperature=0)
+    assert slow.value.status_code == 504
+    with trio.fail_after(30):
+        while [(await aio(health, n.endpoint)).live_sessions for n in nodes] != [0, 0]:  # noqa: ASYNC110
+            await trio.sleep(0.05)

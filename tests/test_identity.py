@@ -12,9 +12,8 @@ import pytest
 
 from meshnode import errors
 from meshnode.identity import NodeIdentity, load_or_create, node_id_of
-from meshnode.identity.attest import attest, seal, verify_attestation
+from meshnode.identity.attest import attest, check_attested, seal, verify_attestation
 from meshnode.proto import node_pb2 as pb
-from meshnode.session.initiator import check_attested
 
 NOW = 1_800_000_000
 FP = "ab" * 32

@@ -23,7 +23,7 @@ from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
 from meshnode.discovery.tracker_client import lookup_all
-from meshnode.session.initiator import check_attested
+from meshnode.identity.attest import check_attested
 from meshnode.session.mesh import Discovered, choose_among, covered, matches
 from meshnode.transport.aiothread import AioRun
 from meshnode.transport.client import get_capability

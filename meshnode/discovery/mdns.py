@@ -28,7 +28,7 @@ from zeroconf import ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from meshnode import errors
 from meshnode.discovery.table import Event, Gone, PeerEntry, Seen, apply, expire
-from meshnode.session.initiator import check_attested
+from meshnode.identity.attest import check_attested
 from meshnode.transport.aiothread import AioRun, via_trio_asyncio
 from meshnode.transport.client import get_capability, health
 

@@ -89,3 +89,14 @@ def verify_attestation(env: pb.SignedEnvelope, *, now: int, fingerprint: str | N
         if want is not None and want != got:
             raise errors.AttestationMismatchError(f"attestation's {what} is {got!r}, expected {want!r}")
     return a
+
+
+def check_attested(endpoint: str, cap: pb.Capability, now: int) -> None:
+    """A peer's capability must be vouched for by its own signed attestation (model, range, digest,
+    node id); the error names ``endpoint``, the peer that claimed it. Pure."""
+    try:
+        verify_attestation(cap.attestation, now=now, fingerprint=cap.model_fingerprint, start=cap.range.start,
+                           end=cap.range.end, range_digest=cap.range_digest, node_id=cap.node_id)
+    except errors.MeshnodeError as e:
+        e.hop = endpoint
+        raise

@@ -44,6 +44,7 @@ from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.flow import Flow
 from meshnode.session.sampling import SamplingParams
 from meshnode.session.sampling import from_pb as sampling_from_pb
+from meshnode.transport.client import open_channel
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import NP_DTYPES, decode_bundle, encode_bundle
@@ -246,7 +247,7 @@ class HopSession:
         nxt_open = parse_open(nxt.signed_open)  # the next hop checks it in full; this one needs it whole
         if nxt_open.initiator_node_id != self.route_open.initiator_node_id:
             raise errors.OpenForgedError("the next hop's open is signed by another initiator")
-        channel = grpc.aio.insecure_channel(nxt.endpoint, options=channel_options())
+        channel = open_channel(nxt.endpoint)
         call = pb_grpc.NodeStub(channel).Session()
         self.downstream = Downstream(channel, call, nxt.endpoint)
         fwd = pb.SessionOpen()
@@ -466,12 +467,3 @@ class HopSession:
         if self.slot is not None:
             slot, self.slot = self.slot, None
             await self.executor.release(slot)
-
-
-def channel_options() -> list[tuple[str, int]]:
-    # bundles are bounded by max_prefill_chunk_tokens x n_embd x 4 bytes (+ logits
-    # when asked): 64 MiB leaves room for wide models without being unbounded
-    return [
-        ("grpc.max_send_message_length", 64 << 20),
-        ("grpc.max_receive_message_length", 64 << 20),
-    ]

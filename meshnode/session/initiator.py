@@ -36,7 +36,7 @@ import numpy as np
 from meshnode import errors
 from meshnode.executor.context import check_fits
 from meshnode.identity import NodeIdentity, load_or_create
-from meshnode.identity.attest import verify_attestation
+from meshnode.identity.attest import check_attested
 from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_control, sign_route
 from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
@@ -129,16 +129,6 @@ class Failover:
 def peer_view(endpoint: str, cap: pb.Capability) -> PeerView:
     return PeerView(endpoint, cap.model_fingerprint, cap.n_layer, cap.range.start, cap.range.end,
                     codec.numerics_key(cap.numerics))
-
-
-def check_attested(endpoint: str, cap: pb.Capability, now: int) -> None:
-    """The capability's own signed attestation must vouch for what it claims."""
-    try:
-        verify_attestation(cap.attestation, now=now, fingerprint=cap.model_fingerprint, start=cap.range.start,
-                           end=cap.range.end, range_digest=cap.range_digest, node_id=cap.node_id)
-    except errors.MeshnodeError as e:
-        e.hop = endpoint
-        raise
 
 
 async def check_route(peers: Sequence[str], timeout: float = 5.0) -> list[pb.Capability]:

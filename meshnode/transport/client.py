@@ -7,11 +7,20 @@ import grpc
 from meshnode import errors
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
-from meshnode.session.hop import channel_options
 from meshnode.wire.schema import SCHEMA_VERSION, SERVICE_NAME
 
 
+def channel_options() -> list[tuple[str, int]]:
+    # bundles are bounded by max_prefill_chunk_tokens x n_embd x 4 bytes (+ logits
+    # when asked): 64 MiB leaves room for wide models without being unbounded
+    return [
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_receive_message_length", 64 << 20),
+    ]
+
+
 def open_channel(endpoint: str) -> grpc.aio.Channel:
+    """The one way meshnode opens a channel to another node (initiator and hops alike)."""
     return grpc.aio.insecure_channel(endpoint, options=channel_options())
 
 

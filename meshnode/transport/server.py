@@ -10,8 +10,8 @@ import trio
 
 from meshnode.errors import InputError
 from meshnode.proto import node_pb2_grpc as pb_grpc
-from meshnode.session.hop import channel_options
 from meshnode.transport.aiothread import AioRun
+from meshnode.transport.client import channel_options
 
 
 def split_hostport(text: str, flag: str = "--listen") -> tuple[str, int]:
