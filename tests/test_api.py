@@ -285,7 +285,7 @@ async def test_no_free_session_is_429_and_a_slow_request_is_504(api_factory: Any
     """One session per hop: while a long stream holds it, another request gets 429; a request that
     outlives --request-timeout gets 504 (and its session is released)."""
     nodes = [node_factory("0:15", extra=("--max-sessions", "1")), node_factory("15:30", extra=("--max-sessions", "1"))]
-    api = api_factory([n.endpoint for n in nodes], "--request-timeout", "3")
+    api = api_factory([n.endpoint for n in nodes])
     model = "SmolLM2-135M-Instruct"
     with api.client().completions.create(model=model, prompt=PROMPT, max_tokens=3000, temperature=0,
                                          stream=True) as stream:
@@ -296,8 +296,9 @@ async def test_no_free_session_is_429_and_a_slow_request_is_504(api_factory: Any
     with trio.fail_after(30):
         while [(await aio(health, n.endpoint)).live_sessions for n in nodes] != [0, 0]:  # noqa: ASYNC110
             await trio.sleep(0.05)
+    hurried = api_factory([n.endpoint for n in nodes], "--request-timeout", "3")
     with pytest.raises(openai.APIStatusError) as slow:
-        api.client().completions.create(model=model, prompt=PROMPT, max_tokens=3000, temperature=0)
+        hurried.client().completions.create(model=model, prompt=PROMPT, max_tokens=3000, temperature=0)
     assert slow.value.status_code == 504
     with trio.fail_after(30):
         while [(await aio(health, n.endpoint)).live_sessions for n in nodes] != [0, 0]:  # noqa: ASYNC110

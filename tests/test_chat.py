@@ -166,8 +166,9 @@ async def test_a_tail_node_renders_chat_like_llama_over_grpc(model: Path, route2
     for messages in CONVERSATIONS:
         with llama(model) as llm:
             expected = llama_chat_tokens(llm, messages)
-        tokens, stop = await aio(tokenize_chat, tail.endpoint, [(m["role"], m["content"]) for m in messages])
+        tokens, bos, stop = await aio(tokenize_chat, tail.endpoint, [(m["role"], m["content"]) for m in messages])
         assert tokens == expected
+        assert bos == 1
         assert stop == ["<|im_end|>"]  # Jinja2ChatFormatter's stop: the EOS text
     with pytest.raises(errors.PeerError, match="no vocabulary"):
         await aio(tokenize_chat, head.endpoint, [("user", "hi")])
