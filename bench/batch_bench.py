@@ -239,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     from meshnode.launch import local_route
 
     model, n_layer, cuts = model_and_cuts(ns)
-    extra = ["--threads", str(threads), "--threads-batch", str(threads_batch), "--max-sessions", str(ns.max_sessions)]
+    # --ctx-size 512: the same per-session context as the whole model's (n_ctx = 512 x n_seq_max)
+    extra = ["--threads", str(threads), "--threads-batch", str(threads_batch), "--max-sessions", str(ns.max_sessions),
+             "--ctx-size", "512"]
     print_header("batch_bench", argv, model, n_layer, cuts, threads, threads_batch, extra)
     print(f"whole: n_seq_max={ns.max_sessions} n_ctx={512 * ns.max_sessions} n_batch=n_ubatch=512 kv_unified=off "
           f"flash_attn=off; {ns.tokens} decode steps per session")

@@ -109,7 +109,7 @@ async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_token
     from meshnode.wire import codec
     from meshnode.wire.tensors import encode_bundle
 
-    rs = RouteSession(peers, caps, GenerateConfig(prompt="", max_tokens=n_tokens, temperature=0.0))
+    rs = RouteSession(peers, caps, GenerateConfig(prompt="", max_tokens=n_tokens))
     try:
         await rs.open()
         chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     from meshnode.launch import local_route
 
     model, n_layer, cuts = model_and_cuts(ns)
-    extra = ["--threads", str(threads), "--threads-batch", str(threads_batch)]
+    # --ctx-size 512: the same per-session context as the whole model's Llama default n_ctx
+    extra = ["--threads", str(threads), "--threads-batch", str(threads_batch), "--ctx-size", "512"]
     if ns.max_sessions:
         extra += ["--max-sessions", str(ns.max_sessions)]
     print_header("route_bench", argv, model, n_layer, cuts, threads, threads_batch, extra)

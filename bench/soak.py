@@ -121,6 +121,7 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
     from meshnode import errors
     from meshnode.identity import NodeIdentity
     from meshnode.session.initiator import GenerateConfig, generate
+    from meshnode.session.sampling import GREEDY, SamplingParams
     from meshnode.transport.aiothread import AioThread, open_aio_thread
     from meshnode.transport.client import health
 
@@ -137,8 +138,8 @@ def soak(peers: list[str], pids: list[int], ns: argparse.Namespace) -> dict[str,
         rng = random.Random(ns.seed * 1000 + k)
         while time.monotonic() < deadline:  # no new session after the deadline
             greedy = rng.random() < 0.5
-            cfg = GenerateConfig(prompt=rng.choice(PROMPTS), max_tokens=rng.randint(32, 64),
-                                 temperature=0.0 if greedy else 0.8, seed=rng.randrange(1 << 30))
+            sampling = GREEDY if greedy else SamplingParams(seed=rng.randrange(1 << 30))  # Llama's defaults
+            cfg = GenerateConfig(prompt=rng.choice(PROMPTS), max_tokens=rng.randint(32, 64), sampling=sampling)
             try:
                 result = await aio.run(generate, peers, cfg, ident)
             except errors.MeshnodeError as e:
@@ -257,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in cuts:  # cut here, so neither node's memory includes cutting its artifact
         a, b = c.split(":")
         ensure_range(model, int(a), int(b))
-    extra = ["--max-sessions", str(ns.max_sessions), "--metrics", "127.0.0.1:0", *shlex.split(ns.node_flags)]
+    extra = ["--max-sessions", str(ns.max_sessions), "--ctx-size", "512", "--metrics", "127.0.0.1:0",
+             *shlex.split(ns.node_flags)]
     print(f"command: python -m bench.soak {shlex.join(sys.argv[1:] if argv is None else argv)}")
     print(f"model {model.name}, cuts {','.join(cuts)}, node flags {shlex.join(extra)}; {ns.sessions} workers for "
           f"{ns.duration:.0f}s (warm-up {ns.warmup:.0f}s), a sample every {ns.sample_every:.0f}s; "

@@ -14,12 +14,15 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import trio
 
 from meshnode import __version__, errors
 from meshnode.executor.config import ExecConfig
-from meshnode.proto import node_pb2 as pb
+
+if TYPE_CHECKING:
+    from meshnode.runtime import Running
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -42,18 +45,32 @@ def _model(ns: argparse.Namespace) -> Path:
 
 def _exec_config(ns: argparse.Namespace) -> ExecConfig:
     base = ExecConfig()
+    ctx = ns.ctx_size or 0
+    sessions = ns.max_sessions or base.max_sessions
+    if not 0 <= ctx or ctx * sessions >= 1 << 31:  # llama.cpp's n_ctx is a uint32 of all sessions' cells
+        raise errors.InputError(f"--ctx-size must be a number of tokens >= 1 (0 = the default), not {ctx}")
     return ExecConfig(
-        max_sessions=ns.max_sessions or base.max_sessions,
+        n_ctx_per_session=ctx,
+        max_sessions=sessions,
         n_threads=ns.threads or base.n_threads,
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
         inline_decode=not getattr(ns, "decode_on_worker", False),
     )
 
 
+def _add_node_choice(p: argparse.ArgumentParser, which: str) -> None:
+    p.add_argument("--state-dir", help=f"{which} running with this state dir")
+    p.add_argument("--listen", action="append", default=[], metavar="HOST:PORT",
+                   help=f"{which} started with (or bound to) this address, under the default state dir (repeat)")
+
+
 def _add_exec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="llama.cpp threads for decode (default: cores/2)")
     p.add_argument("--threads-batch", type=int, help="llama.cpp threads for prefill (default: cores)")
     p.add_argument("--max-sessions", type=int, help="concurrent sessions (KV sequences), default 4")
+    p.add_argument("--ctx-size", type=int, metavar="TOKENS",
+                   help="context of each session, prompt + output (default: the model's training context, "
+                        "less if the KV cache of all sessions would take over a quarter of the available memory)")
     p.add_argument("--decode-on-worker", action="store_true",
                    help="hand single-token decode steps to the llama.cpp worker thread too (default: they run "
                         "on the data-plane loop's thread, two thread wake-ups less per step)")
@@ -70,10 +87,19 @@ def cmd_model_pull(ns: argparse.Namespace) -> int:
 
 
 def cmd_model_slice(ns: argparse.Namespace) -> int:
+    """The artifact as JSON on stdout; progress and a one-line summary on stderr."""
+    import time
+
     from meshnode.gguf import ensure_range
+    from meshnode.gguf.progress import LineProgress
 
     start, end = parse_layers(ns.layers)
-    art = ensure_range(_model(ns), start, end)
+    model = _model(ns)
+    t0 = time.monotonic()
+    art = ensure_range(model, start, end, LineProgress(f"cutting layers {start}:{end} of {model.name}"))
+    size = sum(f.stat().st_size for f in (art.dir / "range.gguf", art.dir / "vocab.gguf") if f.exists())
+    print(f"meshnode: layers {start}:{end} of {model.name} ({art.role.value}): {size / 1e6:.0f} MB in {art.dir}, "
+          f"range digest {art.range_digest[:12]}… ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     print(json.dumps({"dir": str(art.dir), "role": art.role.value, "range": [start, end],
                       "range_digest": art.range_digest, "fingerprint": art.fingerprint}))
     return 0
@@ -98,6 +124,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.node import NodeConfig, run_node
 
     ns = _node_settings(ns)
+    if ns.tracker:
+        check_url(ns.tracker)
     if getattr(ns, "join", False) and ns.auto:
         if ns.layers:
             raise errors.InputError("give --layers or --auto, not both")
@@ -112,7 +140,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
-                     metrics=ns.metrics)
+                     metrics=ns.metrics, api=ns.api, api_key=api_config(ns.api or "127.0.0.1:0", ns.api_key).api_key)
+    if cfg.api:
+        from meshnode.api.run import check_exposure
+
+        check_exposure(api_config(cfg.api, cfg.api_key))  # before any work: a key is needed off loopback
     if not ns.verbose:
         silence_llama_logs()
 
@@ -140,52 +172,53 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from meshnode.session.initiator import GenerateConfig, generate
+    from meshnode.generation import Runner
 
-    if ns.max_tokens < 1:
-        raise errors.InputError("--max-tokens must be at least 1")
-    if not ns.temperature >= 0 or ns.temperature == float("inf"):  # NaN fails the first test
-        raise errors.InputError(f"--temperature must be a finite number >= 0, not {ns.temperature}")
-    if ns.rejoin_wait < 0:
-        raise errors.InputError("--rejoin-wait must be >= 0")
-    cfg = GenerateConfig(prompt=ns.prompt, max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,
-                         wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
-                         rejoin_wait=ns.rejoin_wait)
-    if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
-        raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
-    if ns.mesh and not (ns.mdns or ns.tracker):
-        raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR and/or --tracker URL")
-    if ns.spare and not ns.peer:
-        raise errors.InputError("--spare goes with --peer (with --mesh every other peer found is a spare)")
+    if ns.system and not ns.chat:
+        raise errors.InputError("--system goes with --chat")
+    messages = (*((("system", ns.system),) if ns.system else ()), ("user", ns.chat)) if ns.chat else ()
+    runner = Runner.from_flags(ns)
+    cfg = runner.config(prompt=ns.prompt or "", messages=messages)
     on_token = _stream_printer(ns.json) if ns.stream else None
-    if ns.peer or ns.mesh:
-        async def main() -> object:
-            from meshnode.transport.aiothread import open_aio_thread
-
-            async with open_aio_thread(name="meshnode-initiator") as aio:
-                peers, spares = ns.peer, ns.spare
-                if ns.mesh:
-                    from meshnode.session.mesh import discover
-
-                    found = await discover(ns.mesh, mdns_interface=ns.mdns, tracker=ns.tracker,
-                                           timeout=ns.discover_timeout, aio=aio.run)
-                    peers, spares = found.route, found.spares
-                return await aio.run(functools.partial(generate, peers, cfg, spares=spares, on_token=on_token))
-
-        result = trio.run(main)
-    else:
-        from meshnode.executor._bindings import silence_llama_logs
-        from meshnode.session.local import generate_local
-
-        silence_llama_logs()
-        result = generate_local(_model(ns), cfg, _exec_config(ns))
-    _print_result(result, ns.json, streamed=on_token is not None and bool(ns.peer or ns.mesh))
+    result = runner.run(cfg, on_token)
+    _print_result(result, ns.json, streamed=on_token is not None)
     return 0
 
 
-def _stream_printer(as_json: bool) -> Callable[[int, bytes], None]:
-    """--stream: each token as it arrives (a JSON line each with --json, else the text)."""
-    def show(token: int, piece: bytes) -> None:
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from meshnode.chatrepl import run_chat
+    from meshnode.generation import Runner
+
+    return run_chat(Runner.from_flags(ns), system=ns.system)
+
+
+def _check_endpoints(ns: argparse.Namespace) -> None:
+    """Every HOST:PORT and URL flag of ``generate``, before anything connects."""
+    from meshnode.transport.server import split_hostport
+
+    for flag, values in (("--peer", ns.peer), ("--spare", ns.spare)):
+        for v in values:
+            split_hostport(v, flag)
+    if ns.tracker:
+        check_url(ns.tracker)
+
+
+def check_url(url: str, flag: str = "--tracker") -> None:
+    """An http(s)://HOST[:PORT] URL, or InputError naming ``flag``."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a port that is not a number, or out of range
+        ok = False
+    if not ok:
+        raise errors.InputError(f"{flag} {url!r} is not a URL like http://HOST:PORT")
+
+
+def _stream_printer(as_json: bool) -> Callable[[int | None, bytes], None]:
+    """--stream: the text as it is released (a JSON line per token with --json; token null: the last of it)."""
+    def show(token: int | None, piece: bytes) -> None:
         if as_json:
             print(json.dumps({"token": token, "piece": piece.decode("utf-8", errors="replace")}), flush=True)
         else:
@@ -208,7 +241,7 @@ def _print_result(result: object, as_json: bool, streamed: bool = False) -> None
             "decode_tokens_per_second": (
                 round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
             ),
-            "failovers": result.failovers,
+            "failovers": result.failovers, "seed": result.seed,
         }))
     elif streamed:
         print()  # the text went out token by token
@@ -220,7 +253,16 @@ def cmd_id(ns: argparse.Namespace) -> int:
     from meshnode.identity import load_or_create
     from meshnode.paths import state_dir
 
-    ident = load_or_create(Path(ns.state_dir) if ns.state_dir else state_dir())
+    if ns.state_dir:
+        sdir = Path(ns.state_dir)
+    elif ns.listen:
+        from meshnode.runtime import node_state_dir
+        from meshnode.transport.server import split_hostport
+
+        sdir = node_state_dir(None, *split_hostport(ns.listen))[0]
+    else:
+        sdir = state_dir()
+    ident = load_or_create(sdir)
     if ns.json:
         print(json.dumps({"node_id": ident.node_id, "public_key": ident.public_key.hex()}))
     else:
@@ -253,36 +295,85 @@ def cmd_peers(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _state(ns: argparse.Namespace) -> Path:
+def _targets(ns: argparse.Namespace, *, every: bool) -> Callable[[], list[Running]]:
+    """The nodes ``leave``/``status`` name (membership.select), found anew at each call."""
+    from meshnode.membership import select
     from meshnode.paths import state_dir
 
-    return Path(ns.state_dir) if ns.state_dir else state_dir()
+    if ns.state_dir and ns.listen:  # answered at once, not retried by status --wait
+        raise errors.InputError("give --state-dir or --listen (a node under the default state dir), not both")
+    explicit = Path(ns.state_dir) if ns.state_dir else None
+    return lambda: select(state_dir(), explicit, ns.listen, every=every)
 
 
 def cmd_leave(ns: argparse.Namespace) -> int:
     from meshnode.membership import leave
 
-    doc = leave(_state(ns), ns.timeout)
-    print(f"meshnode: node {doc.get('node_id')} (layers {doc.get('layers')}) has left")
+    if ns.all and (ns.state_dir or ns.listen):
+        raise errors.InputError("give --all (every node under the default state dir) or --state-dir/--listen")
+    for r in leave(_targets(ns, every=ns.all)(), ns.timeout):
+        info = r.info or {}
+        print(f"meshnode: node {info.get('node_id', '?')} (layers {info.get('layers', '?')}, "
+              f"{info.get('endpoint', 'starting')}) has left")
     return 0
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from meshnode.membership import status
+    from meshnode.membership import status, wait_serving
 
-    doc = status(_state(ns))
+    targets = _targets(ns, every=True)
+    doc = status(wait_serving(targets, ns.wait) if ns.wait is not None else targets())
     if ns.json:
         print(json.dumps(doc))
         return 0
-    n = doc["node"]
-    print(f"node {n['node_id']}  {n['endpoint']}  layers {n['range'][0]}:{n['range'][1]} ({n['role']})  "
-          f"{'serving' if n['serving'] else 'draining'}  sessions {n['live_sessions']} live / "
-          f"{n['free_sessions']} free")
-    print(f"{'peer':<36} {'endpoint':<22} {'layers':<8} {'role':<7} {'alive':<6} sessions  tok/s")
+    for n in doc["nodes"]:
+        if n.get("starting") or n.get("error"):
+            print(f"node (pid {n['pid']})  {n.get('error') or 'starting'}  state dir {n['state_dir']}")
+            continue
+        print(f"node {n['node_id']}  {n['endpoint']}  layers {n['range'][0]}:{n['range'][1]} ({n['role']})  "
+              f"{'serving' if n['serving'] else 'draining'}  sessions {n['live_sessions']} live / "
+              f"{n['free_sessions']} free  state dir {n['state_dir']}")
+    if doc["peers"]:
+        print(f"{'peer':<36} {'endpoint':<22} {'layers':<8} {'role':<7} {'alive':<6} sessions  tok/s")
     for p in doc["peers"]:
         print(f"{p['node_id']:<36} {(p['endpoints'] or ['-'])[0]:<22} {p['range'][0]}:{p['range'][1]:<5} "
               f"{p['role']:<7} {'yes' if p['alive'] else 'no':<6} {p['live_sessions']}/{p['free_sessions']:<7} "
               f"{p['decode_tokens_per_second']}")
+    return 0
+
+
+def api_config(listen: str, api_key: str | None) -> Any:
+    """The API's settings from flags; the key may come from $MESHNODE_API_KEY (not visible in ps)."""
+    import os
+
+    from meshnode.api import ApiConfig
+
+    return ApiConfig(listen=listen, api_key=api_key or os.environ.get("MESHNODE_API_KEY") or None)
+
+
+def cmd_api(ns: argparse.Namespace) -> int:
+    from meshnode.api import MeshSource, run_api
+    from meshnode.api.run import check_exposure
+    from meshnode.transport.server import split_hostport
+
+    if not (ns.peer or ns.tracker or ns.mdns):
+        raise errors.InputError("meshnode api needs a way to find the mesh: --peer HOST:PORT (repeat), "
+                                "--tracker URL and/or --mdns ADDR")
+    for p in ns.peer:
+        split_hostport(p)
+    cfg = api_config(ns.listen, ns.api_key)
+    check_exposure(cfg)
+    source = MeshSource(peers=tuple(ns.peer), tracker=ns.tracker, mdns=ns.mdns)
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                addr = await nursery.start(functools.partial(run_api, cfg, source))
+                print(f"meshnode: API listening on http://{addr}/v1", flush=True)
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+    trio.run(main)
     return 0
 
 
@@ -292,11 +383,65 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return run_demo(prompt=ns.prompt, max_tokens=ns.max_tokens)
 
 
+def _add_route_flags(p: argparse.ArgumentParser) -> None:
+    """Where generate and chat run: a route (--peer/--spare), one found (--mesh), or the whole model here."""
+    p.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")
+    p.add_argument("--model", help="without --peer: run this whole GGUF here")
+    p.add_argument("--mesh", metavar="NAME_OR_FINGERPRINT",
+                   help="find a route for this model (general.name, or sha256 / a prefix of 8+ digits)")
+    p.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
+    p.add_argument("--tracker", metavar="URL", help="with --mesh: look the model up on this tracker")
+    p.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
+    p.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
+                   help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
+    p.add_argument("--rejoin-wait", type=float, default=5.0, metavar="SECONDS",
+                   help="when a failed hop has no spare, wait this long for it to come back (default 5)")
+    p.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
+                   help="residual dtype on the wire; f16 is NOT bit-exact")
+    _add_exec_flags(p)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, *, temperature: float = 0.0) -> None:
+    # Sampling: llama.cpp's chain as Llama.create_completion builds it, with its defaults — except
+    # the temperature of `generate`, 0 (greedy): it is how a route is checked against the whole
+    # model, and a README run prints the text it shows. --temperature 0.8 is Llama's default.
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 = greedy; > 0 samples (default {temperature:g}; Llama's completion default is 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0 = off; default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus cut-off in [0, 1] (1 = off; default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens below this x the top probability, in [0, 1] (0 = off; default 0.05)")
+    p.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling in [0, 1] (1 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="> 0: penalize tokens seen in the last 64 generated (1 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract count x this (0 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this once seen (0 = off)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text before the first occurrence of TEXT (repeat for several)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the sampler's seed, 0..4294967294 (default: a random one, printed on stderr)")
+
+
 # -- parser ---------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (``--layer`` is not ``--layers``), and a usage error is one line.
+
+    Subparsers are made by ``type(parent)`` (argparse's ``parser_class``), so
+    every subcommand's parser is one of these too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"meshnode: error: {errors.InputError.code}: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="meshnode", description="Run a GGUF model split by layer ranges across nodes.")
+    ap = _Parser(prog="meshnode", description="Run a GGUF model split by layer ranges across nodes.")
     ap.add_argument("--version", action="version", version=f"meshnode {__version__}")
     ap.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp and debug logs")
     ap.add_argument("--log-json", action="store_true", help="logs as JSON lines (the default under systemd)")
@@ -319,53 +464,61 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", help="source GGUF file (default: the default model)")
         p.add_argument("--layers", help="A:B, layers A..B-1")
         p.add_argument("--listen", help="HOST:PORT (port 0 = any free port; default 127.0.0.1:0)")
-        p.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
+        p.add_argument("--state-dir", help="where the node key and lock live (default: ~/.local/state/meshnode, "
+                                           "or its nodes/HOST_PORT for a fixed --listen port)")
         p.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
         p.add_argument("--tracker", metavar="URL", help="register with this tracker (http://HOST:PORT)")
         p.add_argument("--heartbeat", type=float, help="seconds between tracker heartbeats (default 10)")
         p.add_argument("--drain-timeout", type=float, help="seconds live sessions get when leaving (default 30)")
         p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics")
+        p.add_argument("--api", metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible API (as `meshnode api`) over the mesh this node sees")
+        p.add_argument("--api-key", metavar="KEY",
+                       help="with --api: require 'Authorization: Bearer KEY' (needed off loopback; "
+                            "or $MESHNODE_API_KEY)")
         if name == "join":
             p.add_argument("--auto", action="store_true", help="take the range whose coverage is weakest")
             p.add_argument("--span", type=int, help="with --auto: layers to take (default: half the model)")
         _add_exec_flags(p)
         p.set_defaults(func=cmd_serve, join=name == "join")
 
-    lv = sub.add_parser("leave", help="drain the local node and take it out of the mesh (exit 0 once gone)")
-    lv.add_argument("--state-dir", help="the node's state dir (default: ~/.local/state/meshnode)")
+    lv = sub.add_parser("leave", help="drain a local node and take it out of the mesh (exit 0 once gone)")
+    _add_node_choice(lv, "the node")
+    lv.add_argument("--all", action="store_true", help="every node running under the default state dir")
     lv.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to be gone")
     lv.set_defaults(func=cmd_leave)
-    st = sub.add_parser("status", help="the local node's view of the mesh")
-    st.add_argument("--state-dir", help="the node's state dir (default: ~/.local/state/meshnode)")
+    st = sub.add_parser("status", help="the local nodes (all those under the default state dir) and their mesh")
+    _add_node_choice(st, "only the node")
+    st.add_argument("--wait", type=float, metavar="SECONDS",
+                    help="wait up to SECONDS until the nodes named (at least one) serve")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
     gen = sub.add_parser("generate", help="generate text across a route, or with the whole model here")
-    gen.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")
-    gen.add_argument("--model", help="without --peer: run this whole GGUF here")
-    gen.add_argument("--mesh", metavar="NAME_OR_FINGERPRINT",
-                     help="find a route for this model (general.name, or sha256 / a prefix of 8+ digits)")
-    gen.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
-    gen.add_argument("--tracker", metavar="URL", help="with --mesh: look the model up on this tracker")
-    gen.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
-    gen.add_argument("--prompt", required=True, help="raw completion text")
+    _add_route_flags(gen)
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="raw completion text")
+    what.add_argument("--chat", metavar="MESSAGE",
+                      help="a user message, rendered with the model's own chat template (as create_chat_completion)")
+    gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
-                     help="residual dtype on the wire; f16 is NOT bit-exact")
-    gen.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
-                     help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
-    gen.add_argument("--rejoin-wait", type=float, default=5.0, metavar="SECONDS",
-                     help="when a failed hop has no spare, wait this long for it to come back (default 5)")
+    _add_sampling_flags(gen)
     gen.add_argument("--stream", action="store_true",
                      help="print each token as it arrives (with --json: one JSON line per token, then the result)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_exec_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal, over a route or the whole model here")
+    _add_route_flags(chat)
+    chat.add_argument("--system", metavar="TEXT", help="a system message to start the conversation with")
+    chat.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
+    _add_sampling_flags(chat, temperature=0.2)  # Llama.create_chat_completion's default
+    chat.set_defaults(func=cmd_chat)
 
     ident = sub.add_parser("id", help="print this node's id (makes its Ed25519 key on first use)")
     ident.add_argument("--state-dir", help="where the node key lives (default: ~/.local/state/meshnode)")
+    ident.add_argument("--listen", metavar="HOST:PORT", help="the id of the node started with this fixed --listen "
+                                                              "and no --state-dir (its own state dir)")
     ident.add_argument("--json", action="store_true", help="also print the public key")
     ident.set_defaults(func=cmd_id)
 
@@ -374,6 +527,16 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--wait", type=float, default=3.0, help="seconds to browse")
     peers.add_argument("--json", action="store_true")
     peers.set_defaults(func=cmd_peers)
+
+    api = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API over the mesh (a gateway: no layers)")
+    api.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (default 127.0.0.1:8080)")
+    api.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                     help="a node to route through (repeat; any order: every one is a candidate hop)")
+    api.add_argument("--tracker", metavar="URL", help="find the mesh's nodes on this tracker")
+    api.add_argument("--mdns", metavar="ADDR", help="find the mesh's nodes over mDNS on this interface address")
+    api.add_argument("--api-key", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' (required off loopback; or $MESHNODE_API_KEY)")
+    api.set_defaults(func=cmd_api)
 
     demo = sub.add_parser("demo", help="start a two-hop local route on the default model and generate")
     demo.add_argument("--prompt", default="The three primary colors are")

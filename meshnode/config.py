@@ -10,9 +10,12 @@
     heartbeat = 10.0
     drain_timeout = 30.0
     max_sessions = 4
+    ctx_size = 8192             # tokens per session, prompt + output (default: the model's training context)
     threads = 1
     threads_batch = 2
     metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
+    api = "127.0.0.1:8080"      # an OpenAI-compatible API over the mesh (default: off)
+    api_key = "..."             # Bearer key the API requires (needed when api is not on loopback)
 
 A flag given on the command line wins over the file; the file wins over the
 built-in default. Unknown keys are an error (a typo must not pass silently).
@@ -39,9 +42,12 @@ KEYS: dict[str, tuple[type, Any]] = {
     "heartbeat": (float, 10.0),
     "drain_timeout": (float, 30.0),
     "max_sessions": (int, 0),
+    "ctx_size": (int, 0),
     "threads": (int, 0),
     "threads_batch": (int, 0),
     "metrics": (str, None),
+    "api": (str, None),
+    "api_key": (str, None),
 }
 
 

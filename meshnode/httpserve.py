@@ -44,8 +44,11 @@ class ServeLimits:
     max_head: int = 16 * 1024
     #: seconds an idle connection stays open, and the most a request head may take to arrive
     keep_alive: float = 5.0
-    #: seconds a read may wait for more bytes of a request before the connection is closed
-    read_timeout: int = 10
+    #: seconds a read may wait for more bytes before the connection is closed, whenever it is: also
+    #: while the app works on a request (whole seconds, as hypercorn's Config types it). None: no
+    #: such bound -- for the API, whose answers may take minutes; a head still arriving is bounded
+    #: by ``keep_alive`` all the same (hypercorn's idle timer runs until a request's head is complete)
+    read_timeout: int | None = 10
     #: seconds connections still open get when the server stops gracefully
     graceful: float = 2.0
 

@@ -9,7 +9,7 @@ import os
 import signal
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,9 @@ from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.gguf.model import fingerprint, inspect_model
 from meshnode.httpclient import request
-from meshnode.node import RuntimeFile
 from meshnode.routing.assign import coverage, weakest_range
-from meshnode.transport.aiothread import open_aio_thread
+from meshnode.runtime import Running, find_nodes, probe
+from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.client import get_capability, health
 
 
@@ -76,54 +76,110 @@ def auto_range(model: Path, span: int, *, tracker: str | None, mdns: str | None)
     return weakest_range(replicas_per_layer(ranges, n_layer), span or n_layer // 2)
 
 
-def leave(state_dir: Path, timeout: float) -> dict[str, Any]:
-    """Ask the node running with ``state_dir`` to leave (SIGTERM) and wait until it is gone."""
-    doc = RuntimeFile(state_dir).read()
-    if doc is None:
-        raise errors.InputError(f"no node is running with state dir {state_dir}")
-    pid = int(str(doc["pid"]))
-    os.kill(pid, signal.SIGTERM)
+def select(base: Path, state_dir: Path | None, listen: list[str], *, every: bool) -> list[Running]:
+    """The running nodes ``leave``/``status`` act on: the one holding ``state_dir``; else, among the
+    nodes under the default ``base`` (runtime.find_nodes), those listening on ``listen``; else all
+    of them with ``every``, else the only one. One-line InputErrors otherwise."""
+    if state_dir is not None:
+        if listen:
+            raise errors.InputError("give --state-dir or --listen (a node under the default state dir), not both")
+        one = probe(state_dir)
+        if one is None:
+            raise errors.InputError(f"no node is running with state dir {state_dir}")
+        return [one]
+    found = find_nodes(base)
+    if listen:
+        missing = [a for a in listen if not any(r.matches(a) for r in found)]
+        if missing:
+            raise errors.InputError(f"no node listening on {', '.join(missing)} runs under {base}" + _known(found))
+        return [r for r in found if any(r.matches(a) for a in listen)]
+    if not found:
+        raise errors.InputError(f"no node is running under state dir {base} (started elsewhere? give --state-dir)")
+    if len(found) > 1 and not every:
+        raise errors.InputError(f"{len(found)} nodes run under {base}{_known(found)}: "
+                                "give --listen HOST:PORT, --state-dir DIR or --all")
+    return found
+
+
+def _known(found: list[Running]) -> str:
+    return f" ({'; '.join(r.describe() for r in found)})" if found else ""
+
+
+def leave(nodes: list[Running], timeout: float) -> list[Running]:
+    """Ask each node to leave (SIGTERM, all at once) and wait until each has let go of its state dir.
+
+    Only a node that serves is signalled: its pid is then in node.json, written by the lock's
+    holder itself (the lock file's pid alone may still be its predecessor's for a moment)."""
+    starting = [r for r in nodes if r.info is None]
+    if starting:
+        raise errors.InputError(f"still starting: {'; '.join(r.describe() for r in starting)} "
+                                f"in {starting[0].state_dir}; wait for it (status --wait SECONDS), then leave")
+    for r in nodes:
+        os.kill(r.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}").exists() and _alive(pid):
+    for r in nodes:
+        while probe(r.state_dir) is not None:
+            if time.monotonic() > deadline:
+                raise errors.PeerError(f"node {r.describe()} did not leave within {timeout:.0f}s")
+            time.sleep(0.1)
+    return nodes
+
+
+def wait_serving(select_them: Callable[[], list[Running]], timeout: float) -> list[Running]:
+    """``select_them()`` once every node it returns serves (has written node.json); bounded by ``timeout``.
+
+    Until then, the InputError of a node not found (not started yet) or the nodes still starting
+    are retried; at the deadline, the last error stands."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            nodes = select_them()
+            if all(r.info is not None for r in nodes):
+                return nodes
+            late: errors.MeshnodeError = errors.InputError(
+                f"still starting after {timeout:.0f}s: {'; '.join(r.describe() for r in nodes if r.info is None)}")
+        except errors.InputError as e:
+            late = e
         if time.monotonic() > deadline:
-            raise errors.PeerError(f"node {doc.get('node_id')} (pid {pid}) did not leave within {timeout:.0f}s")
-        time.sleep(0.1)
-    return doc
+            raise late
+        time.sleep(0.2)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has left already
+def status(nodes: list[Running]) -> dict[str, Any]:
+    """These nodes, and the mesh as they see it (their trackers)."""
 
-
-def status(state_dir: Path) -> dict[str, Any]:
-    """This node, and the mesh as it sees it (its tracker and/or mDNS)."""
-    doc = RuntimeFile(state_dir).read()
-    if doc is None:
-        raise errors.InputError(f"no node is running with state dir {state_dir}")
-    endpoint = str(doc["endpoint"])
+    async def one(r: Running, aio: AioThread) -> dict[str, Any]:
+        if r.info is None:
+            return {"state_dir": str(r.state_dir), "pid": r.pid, "starting": True}
+        endpoint = str(r.info["endpoint"])
+        try:
+            cap = await aio.run(get_capability, endpoint, 5.0)
+            h = await aio.run(health, endpoint, 5.0)
+        except errors.MeshnodeError as e:
+            return {"state_dir": str(r.state_dir), "pid": r.pid, "endpoint": endpoint, "error": str(e)}
+        return {"node_id": cap.node_id, "endpoint": endpoint, "listen": r.info.get("listen"),
+                "state_dir": str(r.state_dir), "pid": r.pid, "range": [cap.range.start, cap.range.end],
+                "role": cap.role, "model": cap.model_fingerprint, "serving": h.serving,
+                "live_sessions": h.live_sessions, "free_sessions": h.free_sessions,
+                "steps_total": h.steps_total, "tracker": r.info.get("tracker"), "mdns": r.info.get("mdns")}
 
     async def gather() -> dict[str, Any]:
         async with open_aio_thread() as aio:
-            cap = await aio.run(get_capability, endpoint, 5.0)
-            h = await aio.run(health, endpoint, 5.0)
+            rows = [await one(r, aio) for r in nodes]
         peers: list[dict[str, Any]] = []
-        if doc.get("tracker"):
-            st, body = await request(str(doc["tracker"]).rstrip("/") + "/api/status")
-            if st == 200:
-                with _garbled(str(doc["tracker"])):
-                    peers += [{k: n[k] for k in ("node_id", "endpoints", "range", "role", "alive", "live_sessions",
-                                                 "free_sessions", "decode_tokens_per_second")} | {"source": "tracker"}
-                              for n in json.loads(body)["nodes"] if n["model"] == cap.model_fingerprint]
-        return {
-            "node": {"node_id": cap.node_id, "endpoint": endpoint, "range": [cap.range.start, cap.range.end],
-                     "role": cap.role, "model": cap.model_fingerprint, "serving": h.serving,
-                     "live_sessions": h.live_sessions, "free_sessions": h.free_sessions,
-                     "steps_total": h.steps_total, "tracker": doc.get("tracker"), "mdns": doc.get("mdns")},
-            "peers": peers,
-        }
+        for tracker, model in sorted({(n["tracker"], n["model"]) for n in rows if n.get("tracker")}):
+            peers += await _tracker_peers(tracker, model)
+        return {"nodes": rows, "peers": peers}
 
     return trio.run(gather)
+
+
+async def _tracker_peers(tracker: str, model: str) -> list[dict[str, Any]]:
+    st, body = await request(tracker.rstrip("/") + "/api/status")
+    if st != 200:
+        return []
+    with _garbled(tracker):
+        keys = ("node_id", "endpoints", "range", "role", "alive", "live_sessions", "free_sessions",
+                "decode_tokens_per_second")
+        return [{k: n[k] for k in keys} | {"source": "tracker", "tracker": tracker}
+                for n in json.loads(body)["nodes"] if n["model"] == model]

@@ -7,9 +7,7 @@ through ``task_status.started`` once the node really serves.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -29,12 +27,12 @@ from meshnode.gguf.model import check_file
 from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import attest
-from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
+from meshnode.runtime import RuntimeDir, node_state_dir
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
 from meshnode.session.hop import HopLimits
 from meshnode.transport.aiothread import AioThread, open_aio_thread
-from meshnode.transport.server import serve_grpc, split_hostport
+from meshnode.transport.server import check_listen, serve_grpc, split_hostport
 from meshnode.transport.servicer import NodeServicer
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION, SERVICE_NAME
@@ -56,7 +54,7 @@ class NodeConfig:
     executor: ExecConfig = field(default_factory=ExecConfig)
     #: per-session bounds this node proposes
     limits: HopLimits = field(default_factory=HopLimits)
-    #: where the node's key lives (None: the default state directory)
+    #: where the node's key, lock and node.json live (None: runtime.node_state_dir picks one)
     state_dir: Path | None = None
     #: advertise and browse over mDNS on this interface address (None: no mDNS)
     mdns_interface: str | None = None
@@ -68,6 +66,10 @@ class NodeConfig:
     drain_timeout: float = 30.0
     #: HOST:PORT for Prometheus metrics at /metrics (None: off)
     metrics: str | None = None
+    #: HOST:PORT for the OpenAI-compatible API over the mesh this node sees (None: off)
+    api: str | None = None
+    #: the Bearer key the API requires (None: none; required off loopback)
+    api_key: str | None = None
 
 
 LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
@@ -86,6 +88,7 @@ def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, i
         node_version=__version__,
         model_fingerprint=artifact.fingerprint,
         model_name=src["name"],
+        model_file=Path(src["file"]).name,
         arch=src["arch"],
         n_layer=src["n_layer"],
         n_embd=src["n_embd"],
@@ -114,16 +117,18 @@ def prepare(config: NodeConfig) -> RangeArtifact:
     metadata costs far more memory than serving a range, and a node's RSS should
     be what it serves, not what it once parsed.
     """
-    split_hostport(config.listen)
+    check_listen(config.listen)
+    if config.metrics:
+        split_hostport(config.metrics, "--metrics")
     check_file(config.model)
     art = cached_range(config.model, config.start, config.end)
     if art is not None:
         return art
     cmd = [sys.executable, "-m", "meshnode", "model", "slice", "--model", str(config.model),
            "--layers", f"{config.start}:{config.end}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise _child_error(proc.stderr)
+    returncode, stderr = _run_streaming(cmd)
+    if returncode != 0:
+        raise _child_error(stderr)
     art = cached_range(config.model, config.start, config.end)
     if art is None:
         raise errors.ModelError(f"cutting layers {config.start}:{config.end} left no artifact")
@@ -135,6 +140,20 @@ def prepare_verified(config: NodeConfig) -> RangeArtifact:
     art = prepare(config)
     verify_artifact(art)
     return art
+
+
+def _run_streaming(cmd: list[str]) -> tuple[int, str]:
+    """Run the cutting child; its progress lines go on to our stderr as they come (a cut takes
+    seconds), its error lines are kept for ``_child_error``. Blocking."""
+    kept: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            kept.append(line)
+            if line.startswith("meshnode: ") and not line.startswith("meshnode: error:"):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+    return proc.returncode, "".join(kept[-50:])
 
 
 def _child_error(stderr: str) -> errors.MeshnodeError:
@@ -156,11 +175,22 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
     sessions still live then are cut, and their KV freed before the
     executor closes.
     """
-    sdir = config.state_dir or state_dir()
-    ident = await trio.to_thread.run_sync(load_or_create, sdir)
-    runtime = RuntimeFile(sdir)
-    runtime.claim()
+    host, port = split_hostport(config.listen)
+    sdir, hint = node_state_dir(config.state_dir, host, port)
+    # the flags' and the model's own checks answer before the state dir's lock does
     artifact = await trio.to_thread.run_sync(prepare_verified, config)
+    runtime = RuntimeDir(sdir)
+    await trio.to_thread.run_sync(functools.partial(runtime.claim, hint=hint))
+    try:
+        ident = await trio.to_thread.run_sync(load_or_create, sdir)
+        await _serve(config, artifact, ident, runtime, stop, task_status)
+    finally:
+        runtime.release()
+
+
+async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentity, runtime: RuntimeDir,
+                 stop: trio.Event | None, task_status: trio.TaskStatus[str]) -> None:
+    """``run_node`` once the state dir is held: load the range, serve, drain."""
     executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
     try:
         hw = await trio.to_thread.run_sync(hardware)
@@ -168,7 +198,7 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
         endpoints: list[str] = []
 
         def cap() -> pb.Capability:
-            return capability(artifact, config.executor, config.limits, ident, hardware=hw, throughput=tput,
+            return capability(artifact, executor.config, config.limits, ident, hardware=hw, throughput=tput,
                               endpoints=endpoints)
 
         # the data plane (grpc.aio, sessions, the executor's waiters) runs on an asyncio loop of its own
@@ -188,8 +218,10 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)
             await _announce(nursery, config, ident, servicer, aio, addr)
-            runtime.write(node_id=ident.node_id, endpoint=addr, layers=f"{artifact.start}:{artifact.end}",
-                          tracker=config.tracker, mdns=config.mdns_interface, metrics=metrics_url)
+            api_url = await _serve_api(nursery, config, aio, addr) if config.api else None
+            runtime.write(node_id=ident.node_id, listen=config.listen, endpoint=addr,
+                          layers=f"{artifact.start}:{artifact.end}", tracker=config.tracker,
+                          mdns=config.mdns_interface, metrics=metrics_url, api=api_url)
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
             notify("READY=1")
             interval = watchdog_interval()
@@ -203,8 +235,19 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
             with trio.CancelScope(shield=True):
                 await _settle(executor)
     finally:
-        runtime.remove()
         executor.close()
+
+
+async def _serve_api(nursery: trio.Nursery, config: NodeConfig, aio: AioThread, addr: str) -> str:
+    """The API over the mesh this node sees: itself, its tracker, its mDNS; its sessions on ``aio``."""
+    from meshnode.api import ApiConfig, MeshSource, run_api
+
+    assert config.api is not None
+    source = MeshSource(peers=(addr,), tracker=config.tracker, mdns=config.mdns_interface)
+    bound = await nursery.start(functools.partial(run_api, ApiConfig(listen=config.api, api_key=config.api_key),
+                                                  source, aio=aio))
+    log.info("API on http://%s/v1", bound)
+    return f"http://{bound}/v1"
 
 
 async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdentity, servicer: NodeServicer,
@@ -254,35 +297,3 @@ async def _settle(executor: RangeExecutor, timeout: float = 8.0) -> None:
         while executor.live_slots:  # noqa: ASYNC110 (as in _drain)
             await trio.sleep(0.05)
     log.info("left: %d sessions hold KV", executor.live_slots)
-
-
-class RuntimeFile:
-    """``<state dir>/node.json`` while a node runs: its pid and endpoint, for ``leave`` and ``status``."""
-
-    def __init__(self, sdir: Path) -> None:
-        self.path = sdir / "node.json"
-
-    def read(self) -> dict[str, object] | None:
-        try:
-            doc = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        pid = int(doc.get("pid", 0))
-        if pid <= 0 or not Path(f"/proc/{pid}").exists():
-            return None
-        return dict(doc)
-
-    def claim(self) -> None:
-        other = self.read()
-        if other is not None and other.get("pid") != os.getpid():
-            raise errors.InputError(f"a node (pid {other['pid']}) already runs with state dir {self.path.parent}")
-
-    def write(self, **info: object) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
-        tmp.replace(self.path)
-
-    def remove(self) -> None:
-        doc = self.read()
-        if doc is not None and doc.get("pid") == os.getpid():
-            self.path.unlink(missing_ok=True)

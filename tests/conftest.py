@@ -27,6 +27,19 @@ from meshnode.models import pull
 PROMPT = "The three primary colors are"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own XDG_STATE_HOME: a node or initiator the tests start without
+    --state-dir (and a default-state-dir test) never meets the user's own nodes and keys in
+    ~/.local/state/meshnode. Set before any fixture starts a node (autouse fixtures of a scope
+    come first); children inherit it. The model cache is the user's and is only read."""
+    home = tmp_path_factory.mktemp("state-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_STATE_HOME", str(home))
+        mp.delenv("STATE_DIRECTORY", raising=False)  # a test run from a systemd unit
+        yield home
+
+
 @pytest.fixture(scope="session")
 def model() -> Path:
     silence_llama_logs()
@@ -37,13 +50,13 @@ def model() -> Path:
 class Reference:
     prompt_tokens: list[int]
     tokens: list[int]
-    #: logits of the last prompt token, then of each generated token
+    #: logits of the last prompt token, then of each generated token (and of the end-of-generation one)
     logits: list[np.ndarray]
 
 
-def llama_reference(model: Path, prompt: str, n: int) -> Reference:
-    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings."""
-    llm = llama_cpp.Llama(str(model), verbose=False)
+def llama_reference(model: Path, prompt: str, n: int, n_ctx: int = 512) -> Reference:
+    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings (``n_ctx``: its default)."""
+    llm = llama_cpp.Llama(str(model), n_ctx=n_ctx, verbose=False)
     try:
         toks = llm.tokenize(prompt.encode(), special=True)
         out: list[int] = []
@@ -53,17 +66,17 @@ def llama_reference(model: Path, prompt: str, n: int) -> Reference:
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
             logits.append(row)
             tok = int(np.argmax(row))
-            out.append(tok)
             if llm.token_eos() == tok:
-                break
+                break  # as in Llama.create_completion: the end-of-generation token is not part of the tokens
+            out.append(tok)
             llm.eval([tok])
         # the same tokens through Llama's own sampling loop (greedy = temp 0)
         llm.reset()
         via_generate: list[int] = []
         for t in llm.generate(toks, temp=0.0, repeat_penalty=1.0):
-            via_generate.append(t)
             if len(via_generate) == len(out):
                 break
+            via_generate.append(t)
         assert via_generate == out
         return Reference(toks, out, logits)
     finally:

@@ -964,6 +964,8 @@ OPEN_FAULTS: dict[str, str | None] = {  # kind -> the code the open is refused w
     "forwarder_other_nonce": "OPEN_UNAUTHENTICATED",
     "cancelled_before": "CANCELLED",
     "duplicate_live": "SESSION_INVALID",
+    "sampled_without_resume": "INVALID_ARGUMENT",  # only a resume rebuilds a tail's sampler from tokens
+    "bad_sampling": "INVALID_ARGUMENT",  # a parameter llama.cpp's chain cannot honour or repeat
 }
 TAIL_OPEN_FAULTS = {"downstream_on_tail": "ROUTE_INVALID"}
 HEAD_OPEN_FAULTS = {  # (code, whose error: the head, the tail behind it, or the unreachable endpoint)
@@ -989,8 +991,12 @@ def _valid_open_fields(data: st.DataObject, head: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {
         # (any other wire_dtype, and non-finite temperatures: test_fuzz_regressions)
         "wire_dtype": d(st.sampled_from([0, pb.DTYPE_F32, pb.DTYPE_F16])) if head else 0,
-        "sampling": pb.Sampling(temperature=d(st.just(0.0) | st.floats(0.05, 2.0)), seed=d(st.integers(0, UINT64)),
-                                top_k=d(st.integers(0, 100)), top_p=d(st.floats(0.0, 1.0))),
+        "sampling": pb.Sampling(temperature=d(st.just(0.0) | st.floats(0.05, 2.0)),
+                                seed=d(st.integers(0, 2**32 - 2)),  # 2**32 - 1 is llama.cpp's "random"
+                                top_k=d(st.integers(0, 100)), top_p=d(st.floats(0.0, 1.0)),
+                                min_p=d(st.floats(0.0, 1.0)), typical_p=d(st.floats(0.0, 1.0)),
+                                repeat_penalty=d(st.floats(0.5, 2.0)), frequency_penalty=d(st.floats(-2.0, 2.0)),
+                                presence_penalty=d(st.floats(-2.0, 2.0)), penalty_last_n=d(st.integers(0, 128))),
         "return_logits": d(st.booleans()),
     }
     if d(st.booleans()):
@@ -1063,7 +1069,8 @@ def open_case(kind: str, data: st.DataObject, fz: Fuzz, target: Node, closed: st
         o.range.start, o.range.end = d(st.tuples(st.integers(0, UINT32), st.integers(0, UINT32)).filter(
             lambda r: r != (target.cap.range.start, target.cap.range.end)))
     elif kind == "numerics":
-        name = d(st.sampled_from(["n_ctx_per_session", "n_batch", "n_ubatch", "flash_attn"]))
+        # n_ctx_per_session is a limit, not a numerics setting (executor/context.py): not compared
+        name = d(st.sampled_from(["n_batch", "n_ubatch", "flash_attn"]))
         if name == "flash_attn":
             o.numerics.flash_attn = not o.numerics.flash_attn
         else:
@@ -1090,6 +1097,14 @@ def open_case(kind: str, data: st.DataObject, fz: Fuzz, target: Node, closed: st
         if kind == "forwarder_other_nonce":
             ro.nonce = _flip(data, ro.nonce)
         o.forwarder_proof.CopyFrom(forward_proof(stranger if kind == "wrong_forwarder_key" else fake, ro))
+    elif kind == "sampled_without_resume":
+        o.sampled.extend(d(st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=4)))
+    elif kind == "bad_sampling":
+        name, value = d(st.sampled_from([
+            ("temperature", float("nan")), ("temperature", -1.0), ("top_p", 1.5), ("min_p", -0.5),
+            ("typical_p", float("inf")), ("repeat_penalty", 0.0), ("frequency_penalty", float("nan")),
+            ("presence_penalty", float("-inf")), ("top_k", 2**31), ("seed", 2**32 - 1), ("seed", UINT64)]))
+        setattr(o.sampling, name, value)
     elif kind == "downstream_on_tail":
         o.downstream.add(endpoint=fz.head.endpoint, range=fz.head.cap.range, node_id=fz.head.cap.node_id)
     elif kind == "no_downstream":
@@ -1403,14 +1418,21 @@ async def refused_or_honoured(fz: Fuzz, target: Node, frame: pb.SessionFrame, pr
 
 def bug_sampling(fz: Fuzz, n: int) -> None:
     # found: a NaN temperature was accepted at open, then the tail's first sampled step failed with
-    # INTERNAL (numpy: "Probabilities contain NaN"). Now HopSession.open refuses it (check_sampling).
+    # INTERNAL (numpy: "Probabilities contain NaN"). Now HopSession.open refuses it (sampling.from_pb),
+    # and every other parameter of llama.cpp's chain likewise (NaN/inf, out of range, the seed
+    # 2**32 - 1 that llama.cpp would replace by a random one).
+    f32 = st.floats(width=32)
+
     @fuzz(n, shrink=False)
-    @given(st.floats(width=32), st.floats(width=32), st.integers(0, UINT32), st.integers(0, UINT32))
-    def prop(temperature: float, top_p: float, top_k: int, seed_: int) -> None:
+    @given(st.tuples(f32, f32, f32, f32, f32, f32, f32), st.integers(0, UINT32), st.integers(0, UINT64),
+           st.none() | st.integers(0, UINT32))
+    def prop(floats: tuple[float, ...], top_k: int, seed_: int, last_n: int | None) -> None:
+        temperature, top_p, min_p, typical_p, repeat, freq, presence = floats
         sid = str(uuid.uuid4())
         frame, _ = build_open(sid, [fz.tail], NodeIdentity.generate(), return_logits=True, sampling=pb.Sampling(
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed_))
-        fz.call(refused_or_honoured, fz, fz.tail, frame, [seed_])
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed_, min_p=min_p, typical_p=typical_p,
+            repeat_penalty=repeat, frequency_penalty=freq, presence_penalty=presence, penalty_last_n=last_n))
+        fz.call(refused_or_honoured, fz, fz.tail, frame, [seed_ % N_VOCAB])
 
     prop()
 

@@ -19,6 +19,7 @@ from meshnode.httpserve import serve_asgi
 from meshnode.paths import state_dir
 from meshnode.transport.server import split_hostport
 from tracker.app import Tracker
+from tracker.probe import run_prober
 from tracker.registry import Registry
 
 
@@ -38,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def run() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
+                await nursery.start(run_prober, registry)  # tracker/probe.py: liveness and live counters
                 bound = await nursery.start(serve_asgi, tracker.asgi(), host, port)
                 print(f"meshnode-tracker: status page http://{host}:{bound}/ listening on {host}:{bound}", flush=True)
                 async for _ in signals:

@@ -2,7 +2,7 @@
 
     POST /api/register   body: a SignedEnvelope(Advertisement), application/x-protobuf
     GET  /api/status     models (coverage map per layer) and nodes, as JSON
-    GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model
+    GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model (dead ones left out)
     GET  /               the status page (auto-refreshing, reads /api/status)
 
 Every registration is verified (signature, signer = node id, attestation,
@@ -54,8 +54,7 @@ class Tracker:
         if route == ("GET", "/api/status"):
             return json_response(views.status(self._views()))
         if route == ("GET", "/api/lookup"):
-            q = req.query_params.get("model", "")
-            return json_response({"model": q, "nodes": [v for v in self._views() if views.matches(v, q)]})
+            return json_response(views.lookup(self._views(), req.query_params.get("model", "")))
         if route == ("GET", "/"):
             return HTMLResponse(PAGE, headers=NO_STORE)
         if route == ("GET", "/healthz"):
@@ -77,5 +76,4 @@ class Tracker:
         return json_response({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})
 
     def _views(self) -> list[dict[str, object]]:
-        now = time.time()
-        return [views.node_view(e, now, self.registry.ttl) for e in self.registry.live(now)]
+        return views.current(self.registry, time.time())  # judged with the prober's findings

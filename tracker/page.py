@@ -1,28 +1,46 @@
-"""The tracker's status page: static HTML that polls /api/status every 2 s."""
+"""The tracker's status page: static HTML that polls /api/status every 2 s.
+
+Layout: fits a 1280 px wide window with every column visible (long node ids
+are cut to 12 hex digits, the full id is the cell's title; hardware and
+liveness wrap). A dead node's row and its coverage cells are marked dead,
+and its layers count as uncovered. Everything a node advertised is escaped.
+"""
 
 PAGE = r"""<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <title>meshnode tracker</title>
 <style>
-  body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #1d232a; background: #f7f8fa; }
+  body { font: 14px/1.4 system-ui, sans-serif; margin: 20px; color: #1d232a; background: #f7f8fa; }
   h1 { font-size: 20px; margin: 0 0 4px; }
-  h2 { font-size: 16px; margin: 24px 0 8px; }
+  h2 { font-size: 16px; margin: 20px 0 8px; }
+  h2 .muted { font-size: 13px; font-weight: normal; }
   .muted { color: #6b7480; }
+  small { font-size: 11px; color: #6b7480; font-weight: normal; }
+  .model { overflow-wrap: anywhere; }
   .model { background: #fff; border: 1px solid #dde1e6; border-radius: 8px; padding: 12px 16px; margin: 12px 0; }
+  .model.lost { border-color: #e0a3a3; }
+  .model .scroll { overflow-x: auto; }
   table.cov { border-collapse: collapse; margin-top: 8px; }
   table.cov td, table.cov th { border: 1px solid #e3e6ea; width: 18px; height: 18px; padding: 0;
                                text-align: center; font-size: 10px; }
   table.cov th.node { width: auto; padding: 0 8px; text-align: left; font-family: monospace; font-size: 12px; }
   td.on { background: #2f8f5b; }
-  td.gap { background: #f3c4c4; }
+  td.lost { background: repeating-linear-gradient(45deg, #f3c4c4, #f3c4c4 3px, #fff 3px, #fff 6px); }
+  td.gap { background: #f3c4c4; color: #b3261e; font-weight: 600; }
   table.nodes { border-collapse: collapse; width: 100%; background: #fff; }
-  table.nodes th, table.nodes td { border-bottom: 1px solid #e3e6ea; padding: 6px 8px; text-align: left;
-                                   white-space: nowrap; font-size: 13px; }
-  table.nodes td.num { text-align: right; }
-  table.nodes td.hw { white-space: normal; min-width: 180px; }
+  table.nodes th, table.nodes td { border-bottom: 1px solid #e3e6ea; padding: 5px 6px; text-align: left;
+                                   font-size: 13px; vertical-align: top; }
+  table.nodes th { white-space: normal; line-height: 1.2; }
+  table.nodes td { white-space: nowrap; }
+  table.nodes td.num, table.nodes th.num { text-align: right; }
+  table.nodes td.wrap { white-space: normal; min-width: 120px; max-width: 220px; overflow-wrap: anywhere; }
+  tr.dead td { background: #fbeaea; color: #7a4444; }
   .ok { color: #2f8f5b; font-weight: 600; } .bad { color: #b3261e; font-weight: 600; }
+  .badge { display: inline-block; padding: 0 6px; border-radius: 4px; font-weight: 700; font-size: 12px; }
+  .badge.ok { background: #e3f3ea; } .badge.bad { background: #b3261e; color: #fff; }
   code { font-size: 12px; }
 </style>
 </head>
@@ -30,59 +48,97 @@ PAGE = r"""<!doctype html>
 <h1>meshnode tracker</h1>
 <div class="muted">live view, refreshed every 2 s &middot; <span id="updated">loading&hellip;</span>
   &middot; <a href="/api/status">JSON</a></div>
-<h2>Models</h2>
+<h2>Models <span class="muted" id="models-count"></span></h2>
 <div id="models"></div>
-<h2>Nodes</h2>
+<h2>Nodes <span class="muted" id="nodes-count"></span></h2>
 <table class="nodes" id="nodes"><thead><tr>
-  <th>node</th><th>endpoint</th><th>layers</th><th>role</th><th>decode tok/s</th><th>prefill tok/s</th>
-  <th>sessions</th><th>tokens served</th><th>errors</th><th>mean step</th><th>mean batch</th>
-  <th>hardware</th><th>liveness</th></tr></thead><tbody></tbody></table>
+  <th>node</th><th>endpoint</th><th>layers</th>
+  <th class="num" title="single-session decode steps per second, measured by the node at start (warm, median)">decode
+    tok/s<br><small>measured at start, 1 session</small></th>
+  <th class="num" title="tokens per second of a 32-token prefill, measured by the node at start (warm,
+    median of 3)">prefill tok/s<br><small>at start, 32-token prompt</small></th>
+  <th>sessions<br><small>now</small></th><th class="num">tokens<br><small>served</small></th>
+  <th class="num">errors</th><th class="num">mean step<br><small>ms, receive&rarr;result</small></th>
+  <th class="num">mean batch<br><small>steps / decode</small></th>
+  <th>hardware</th><th>liveness<br><small>probe every 2 s</small></th></tr></thead><tbody></tbody></table>
 <script>
-function esc(s) { return String(s).replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c])); }
+const ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"};
+function esc(s) { return String(s).replace(/[&<>"']/g, c => ENTITIES[c]); }
+function plural(n, word) { return n + " " + word + (n === 1 ? "" : "s"); }
+function span(k, v, cls) {
+  return "<span data-k='" + k + "'" + (cls ? " class='" + cls + "'" : "") + ">" + esc(v) + "</span>";
+}
+function cut(s, n) { return s.length > n ? s.slice(0, n - 1) + "\u2026" : s; }
+function layers(a, b) { return b - a === 1 ? "layer " + a : "layers " + a + "&ndash;" + (b - 1); }
 function model(m) {
+  const dead = new Set(m.dead);
   let rows = "<tr><th class='node'>layer</th>";
   for (let i = 0; i < m.n_layer; i++) rows += "<th>" + i + "</th>";
   rows += "</tr>";
   for (const id of m.nodes) {
-    rows += "<tr><th class='node'>" + esc(id.slice(0, 12)) + "</th>";
-    m.coverage.forEach(layer => {
-      rows += layer.includes(id) ? "<td class='on' title='" + esc(id) + "'></td>" : "<td></td>";
-    });
+    const gone = dead.has(id);
+    rows += "<tr><th class='node' title='" + esc(id) + "'>" + esc(id.slice(0, 12)) +
+      (gone ? " <span class='bad'>dead</span>" : "") + "</th>";
+    const node = nodesById[id];
+    for (let i = 0; i < m.n_layer; i++) {
+      const serves = node && node.range[0] <= i && i < node.range[1];
+      rows += serves ? (gone ? "<td class='lost' title='dead: " + esc(id) + "'></td>" :
+                                "<td class='on' title='" + esc(id) + "'></td>") : "<td></td>";
+    }
     rows += "</tr>";
   }
-  rows += "<tr><th class='node'>replicas</th>";
+  rows += "<tr><th class='node'>live replicas</th>";
   m.coverage.forEach(layer => { rows += "<td class='" + (layer.length ? "" : "gap") + "'>" + layer.length + "</td>"; });
   rows += "</tr>";
-  return "<div class='model' data-model='" + esc(m.fingerprint) + "'><b>" + esc(m.name) + "</b> <code class='muted'>" +
-    esc(m.fingerprint.slice(0, 16)) + "&hellip;</code> &middot; " + m.n_layer + " layers &middot; " +
-    (m.covered ? "<span class='ok'>fully covered</span>" : "<span class='bad'>gaps</span>") +
-    " &middot; " + m.active_sessions + " active sessions<table class='cov'>" + rows + "</table></div>";
+  const state = m.covered ? "<span class='ok' data-k='coverage'>fully covered</span>" :
+    "<span class='bad' data-k='coverage'>not covered</span>: " +
+    m.gaps.map(g => layers(g[0], g[1])).join(", ") + " served by no live node";
+  const alive = m.nodes.length - m.dead.length;
+  return "<div class='model" + (m.covered ? "" : " lost") + "' data-model='" + esc(m.fingerprint) + "'><b>" +
+    esc(m.name) + "</b> <code class='muted'>" + esc(m.fingerprint.slice(0, 16)) + "&hellip;</code> &middot; " +
+    plural(m.n_layer, "layer") + " &middot; " + plural(alive, "live node") +
+    (m.dead.length ? " (+" + m.dead.length + " dead)" : "") + " &middot; " + state + " &middot; " +
+    "<span data-k='active_sessions'>" + plural(m.active_sessions, "active session") + "</span>" +
+    "<div class='scroll'><table class='cov'>" + rows + "</table></div></div>";
 }
 function node(n) {
   const dev = n.devices.map(d => d.type).join("+");
-  return "<tr data-node='" + esc(n.node_id) + "'><td><code>" + esc(n.node_id) + "</code></td><td>" +
-    esc(n.endpoints.join(", ")) + "</td><td>" + n.range[0] + ":" + n.range[1] + "</td><td>" + esc(n.role) +
-    "</td><td>" + n.decode_tokens_per_second + "</td><td>" + n.prefill_tokens_per_second + "</td><td>" +
-    "<span data-k='live_sessions'>" + n.live_sessions + "</span> live / <span data-k='free_sessions'>" +
-    n.free_sessions + "</span> free / <span data-k='detached_sessions'" + (n.detached_sessions ? " class='bad'" : "") +
-    ">" + n.detached_sessions + "</span> detached" + (n.serving ? "" : " <span class='bad'>draining</span>") + "</td>" +
-    "<td class='num' data-k='tokens_total'>" + n.tokens_total + "</td><td data-k='errors_total' class='num" +
-    (n.errors_total ? " bad" : "") + "'" + ">" + n.errors_total + "</td><td class='num'><span data-k='step_ms_mean'>" +
-    n.step_ms_mean + "</span> ms</td><td class='num' data-k='mean_batch'>" + n.mean_batch + "</td><td class='hw'>" +
-    esc(n.cpu) + " &middot; " + n.cores +
-    " cores &middot; " + (n.memory_total_bytes / 2**30).toFixed(1) + " GiB &middot; " + esc(dev) + "</td><td>" +
-    (n.alive ? "<span class='ok'>alive</span>" : "<span class='bad'>stale</span>") + " (" +
-    n.last_seen_seconds_ago + " s ago)</td></tr>";
+  const stepped = n.steps_total > 0;
+  const live = n.alive ? "<span class='badge ok' data-k='liveness'>alive</span>" :
+    "<span class='badge bad' data-k='liveness'>dead</span>";
+  return "<tr data-node='" + esc(n.node_id) + "'" + (n.alive ? "" : " class='dead'") + ">" +
+    "<td title='" + esc(n.node_id) + "'><code>" + esc(n.node_id.slice(0, 12)) + "</code></td>" +
+    "<td title='" + esc(n.endpoints.join(", ")) + "'>" + esc(cut(n.endpoints[0] || "", 28)) + "</td>" +
+    "<td>" + n.range[0] + ":" + n.range[1] + " <small>" + esc(n.role) + "</small></td>" +
+    "<td class='num'>" + n.decode_tokens_per_second + "</td><td class='num'>" + n.prefill_tokens_per_second + "</td>" +
+    "<td>" + span("live_sessions", n.live_sessions) + " live / " + span("free_sessions", n.free_sessions) +
+    " free<br>" + span("detached_sessions", n.detached_sessions, n.detached_sessions ? "bad" : "") + " detached" +
+    (n.serving ? "" : " <span class='bad'>draining</span>") + "</td>" +
+    "<td class='num'>" + span("tokens_total", n.tokens_total) + "</td>" +
+    "<td class='num'>" + span("errors_total", n.errors_total, n.errors_total ? "bad" : "") + "</td>" +
+    "<td class='num'>" + (stepped ? span("step_ms_mean", n.step_ms_mean) : "&ndash;") + "</td>" +
+    "<td class='num'>" + (stepped ? span("mean_batch", n.mean_batch) : "&ndash;") + "</td>" +
+    "<td class='wrap'>" + esc(n.cpu) + " &middot; " + plural(n.cores, "core") + " &middot; " +
+    (n.memory_total_bytes / 2**30).toFixed(1) + " GiB &middot; " + esc(dev) + "</td>" +
+    "<td class='wrap'>" + live + " <small data-k='liveness_reason'>" + esc(n.liveness_reason) + "</small><br>" +
+    "<small>counters " + n.counters_age_seconds + " s old (" + esc(n.counters_source) + ")</small></td></tr>";
 }
+let nodesById = {};
 async function refresh() {
   try {
     const r = await fetch("/api/status", {cache: "no-store"});
     const s = await r.json();
+    nodesById = Object.fromEntries(s.nodes.map(n => [n.node_id, n]));
+    const dead = s.nodes.filter(n => !n.alive).length;
+    document.getElementById("models-count").textContent = "· " + plural(s.models.length, "model");
+    document.getElementById("nodes-count").textContent = "· " + plural(s.nodes.length, "node") +
+      (dead ? " (" + dead + " dead)" : "");
     document.getElementById("models").innerHTML = s.models.length ? s.models.map(model).join("") :
       "<p class='muted'>no nodes registered</p>";
     document.querySelector("#nodes tbody").innerHTML = s.nodes.map(node).join("");
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.ready = "1";
+    document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);
   } catch (e) {
     document.getElementById("updated").textContent = "tracker unreachable: " + e;
   }

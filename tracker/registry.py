@@ -3,6 +3,10 @@
 Every write goes through ``register`` after ``verify_advert`` accepted the
 envelope; the row keeps the exact signed bytes, so a lookup hands clients
 what the node signed, for them to verify again.
+
+Next to the rows, ``probes`` holds what the tracker's own probes found
+(tracker/probe.py): in memory only, since a restarted tracker probes again
+within seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnode.proto import node_pb2 as pb
+from tracker.liveness import FAIL_LIMIT, ProbeBook
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -38,8 +43,10 @@ class Entry:
 
 
 class Registry:
-    def __init__(self, path: Path | str, ttl: float) -> None:
+    def __init__(self, path: Path | str, ttl: float, *, fail_limit: int = FAIL_LIMIT) -> None:
         self.ttl = ttl
+        #: the prober's findings per node id (tracker/liveness.py)
+        self.probes = ProbeBook(fail_limit)
         self.db = sqlite3.connect(str(path))
         self.db.executescript(SCHEMA)
         self.db.commit()
@@ -58,6 +65,7 @@ class Registry:
                             (nid, ad.seq, ad.seq))
             if ad.leaving:
                 self.db.execute("DELETE FROM nodes WHERE node_id = ?", (nid,))
+                self.probes.states.pop(nid, None)
                 return
             self.db.execute(
                 "INSERT INTO nodes(node_id, envelope, seq, last_seen, first_seen) VALUES(?, ?, ?, ?, ?) "

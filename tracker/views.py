@@ -1,4 +1,4 @@
-"""What the tracker shows: pure functions from registry entries to JSON-able data."""
+"""What the tracker shows: pure functions from registry entries and probe results to JSON-able data."""
 
 from __future__ import annotations
 
@@ -7,20 +7,31 @@ from typing import Any
 
 from meshnode.routing.assign import coverage as layer_coverage
 from meshnode.routing.assign import model_matches
-from tracker.registry import Entry
+from tracker.liveness import FAIL_LIMIT, ProbeState, freshest, judge
+from tracker.registry import Entry, Registry
+
+#: layers a model is shown with at most: n_layer is the node's claim, and the coverage map is a list per layer
+#: (the deepest models known have a few hundred)
+MAX_LAYERS = 1024
 
 
-def node_view(e: Entry, now: float, ttl: float) -> dict[str, Any]:
+def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
+              fail_limit: int = FAIL_LIMIT) -> dict[str, Any]:
     cap = e.advert.capability
-    hw, tput, h = cap.hardware, cap.throughput, e.advert.health
+    hw, tput = cap.hardware, cap.throughput
+    verdict = judge(probe, e.last_seen, now, ttl, fail_limit)
+    live = freshest(e.advert.health, e.last_seen, probe)
+    h = live.health
     return {
         "node_id": e.node_id,
         "endpoints": list(cap.endpoints),
         "model": cap.model_fingerprint,
         "model_name": cap.model_name,
+        "model_file": cap.model_file,
         "range": [cap.range.start, cap.range.end],
         "role": cap.role,
         "n_layer": cap.n_layer,
+        # measured by the node at start, one session, warm (meshnode/capabilities.py)
         "decode_tokens_per_second": round(tput.decode_tokens_per_second, 1),
         "prefill_tokens_per_second": round(tput.prefill_tokens_per_second, 1),
         "cpu": hw.cpu_model,
@@ -28,7 +39,8 @@ def node_view(e: Entry, now: float, ttl: float) -> dict[str, Any]:
         "cpu_features": list(hw.cpu_features),
         "memory_total_bytes": hw.memory_total_bytes,
         "devices": [{"name": d.name, "type": d.type, "description": d.description} for d in hw.devices],
-        # headline figures of the node's last heartbeat (its HealthReply)
+        # headline figures: the node's HealthReply, from the tracker's last probe or its last heartbeat,
+        # whichever is newer
         "serving": h.serving,
         "live_sessions": h.live_sessions,
         "free_sessions": h.free_sessions,
@@ -39,11 +51,36 @@ def node_view(e: Entry, now: float, ttl: float) -> dict[str, Any]:
         "steps_total": h.steps_total,
         "batches_total": h.batches_total,
         "mean_batch": mean_batch(h.steps_total, h.batches_total),
+        "counters_source": live.source,
+        "counters_age_seconds": round(max(0.0, now - live.at), 1),
         "max_sessions": cap.max_sessions,
         "last_seen_seconds_ago": round(max(0.0, now - e.last_seen), 1),
-        "alive": now - e.last_seen <= ttl,
+        "alive": verdict.alive,
+        "liveness": "alive" if verdict.alive else "dead",
+        "liveness_reason": verdict.reason,
+        "liveness_by": verdict.by,
+        "probe": probe_view(probe, now),
         "envelope": base64.b64encode(e.envelope.SerializeToString()).decode(),
     }
+
+
+def probe_view(s: ProbeState | None, now: float) -> dict[str, Any] | None:
+    """The tracker's probes of one node, for the JSON (None: not probed yet)."""
+    if s is None:
+        return None
+    return {"endpoint": s.endpoint, "failures": s.failures, "error": s.error,
+            "last_ok_seconds_ago": None if s.last_ok is None else round(max(0.0, now - s.last_ok), 1),
+            "rtt_ms": round(s.rtt * 1e3, 2), "ok_total": s.ok_total, "failed_total": s.failed_total}
+
+
+def current(registry: Registry, now: float) -> list[dict[str, Any]]:
+    """The view of every registered node, judged with what the probes found."""
+    out = []
+    for e in registry.live(now):
+        endpoint = e.advert.capability.endpoints[0] if e.advert.capability.endpoints else None
+        out.append(node_view(e, now, registry.ttl, registry.probes.get(e.node_id, endpoint),
+                             registry.probes.fail_limit))
+    return out
 
 
 def mean_batch(steps: int, batches: int) -> float:
@@ -52,7 +89,12 @@ def mean_batch(steps: int, batches: int) -> float:
 
 
 def matches(view: dict[str, Any], query: str) -> bool:
-    return model_matches(str(view["model"]), str(view["model_name"]), query)
+    return model_matches(str(view["model"]), str(view["model_name"]), query, str(view.get("model_file", "")))
+
+
+def lookup(views: list[dict[str, Any]], query: str) -> dict[str, Any]:
+    """The answer to /api/lookup: the *live* nodes of one model (nodes build routes from it)."""
+    return {"model": query, "nodes": [v for v in views if v["alive"] and matches(v, query)]}
 
 
 def coverage(nodes: list[dict[str, Any]], n_layer: int) -> list[list[str]]:
@@ -60,15 +102,43 @@ def coverage(nodes: list[dict[str, Any]], n_layer: int) -> list[list[str]]:
     return layer_coverage([(n["node_id"], n["range"][0], n["range"][1]) for n in nodes], n_layer)
 
 
+def gaps(cov: list[list[str]]) -> list[list[int]]:
+    """The runs of layers nobody serves, as [start, end) pairs."""
+    out: list[list[int]] = []
+    for i, layer in enumerate(cov):
+        if layer:
+            continue
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
+def route_sessions(nodes: list[dict[str, Any]], n_layer: int) -> int:
+    """Route sessions running through a model: every one runs each layer on exactly one hop, so each
+    layer's nodes hold them all (a two-hop session is one session, not two); the smallest such sum
+    over the layers, which a layer nobody serves makes 0."""
+    per_layer = [0] * n_layer
+    for n in nodes:
+        for i in range(max(0, n["range"][0]), min(n_layer, n["range"][1])):
+            per_layer[i] += n["live_sessions"]
+    return min(per_layer, default=0)
+
+
 def status(views: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per model: which live node serves each layer; dead nodes are listed but cover nothing."""
     models: dict[str, dict[str, Any]] = {}
     for v in views:
         m = models.setdefault(v["model"], {"fingerprint": v["model"], "name": v["model_name"],
-                                           "n_layer": v["n_layer"], "nodes": []})
+                                           "n_layer": min(v["n_layer"], MAX_LAYERS), "nodes": [], "dead": []})
         m["nodes"].append(v["node_id"])
+        if not v["alive"]:
+            m["dead"].append(v["node_id"])
     for m in models.values():
-        members = [v for v in views if v["model"] == m["fingerprint"]]
-        m["coverage"] = coverage(members, m["n_layer"])
-        m["covered"] = all(m["coverage"])
-        m["active_sessions"] = sum(v["live_sessions"] for v in members)
+        alive = [v for v in views if v["model"] == m["fingerprint"] and v["alive"]]
+        m["coverage"] = coverage(alive, m["n_layer"])
+        m["gaps"] = gaps(m["coverage"])
+        m["covered"] = not m["gaps"]
+        m["active_sessions"] = route_sessions(alive, m["n_layer"])
     return {"models": sorted(models.values(), key=lambda m: m["name"]), "nodes": views}

@@ -64,22 +64,49 @@ async def run_heartbeat(url: str, ident: NodeIdentity, capability: Callable[[], 
                 log.warning("could not deregister from %s: %s", url, e)
 
 
+async def tracker_models(url: str) -> list[tuple[str, str]]:
+    """(fingerprint, name) of each model the tracker's status lists (for a "models seen" message)."""
+    status, body = await request(url.rstrip("/") + "/api/status")
+    if status != 200:
+        raise errors.PeerError(f"tracker status failed with HTTP {status}", hop=url)
+    try:
+        return [(str(m["fingerprint"]), str(m["name"])) for m in json.loads(body)["models"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise errors.PeerError(f"the tracker's status is not meshnode's JSON: {e!r}", hop=url) from None
+
+
 async def lookup(url: str, query: str) -> list[PeerEntry]:
+    """The tracker's live nodes of model ``query``, each advertisement verified here."""
     target = url.rstrip("/") + "/api/lookup?" + urllib.parse.urlencode({"model": query})
+    return _verified(url, await _nodes(url, target))
+
+
+async def lookup_all(url: str) -> list[PeerEntry]:
+    """Every node the tracker lists (``/api/status``), each advertisement verified here."""
+    return _verified(url, await _nodes(url, url.rstrip("/") + "/api/status"))
+
+
+async def _nodes(url: str, target: str) -> list[object]:
     status, body = await request(target)
     if status != 200:
         raise errors.PeerError(f"tracker lookup failed with HTTP {status}", hop=url)
-    out = []
-    now = int(time.time())
     try:
         nodes = json.loads(body)["nodes"]
         if not isinstance(nodes, list):
             raise TypeError("'nodes' is not a list")
     except (ValueError, KeyError, TypeError) as e:
         raise errors.PeerError(f"the tracker's lookup answer is not meshnode's JSON: {e!r}", hop=url) from None
+    return nodes
+
+
+def _verified(url: str, nodes: list[object]) -> list[PeerEntry]:
+    out = []
+    now = int(time.time())
     for node in nodes:
+        if isinstance(node, dict) and node.get("alive") is False:
+            continue  # the tracker saw it die (its probe), whatever its last advertisement says
         try:
-            env = pb.SignedEnvelope.FromString(base64.b64decode(node["envelope"], validate=True))
+            env = pb.SignedEnvelope.FromString(base64.b64decode(node["envelope"], validate=True))  # type: ignore[index]
             ad = verify_advert(env, now=now, last_seq=None)
         except errors.MeshnodeError as e:
             log.warning("ignoring a tracker entry: %s", e)

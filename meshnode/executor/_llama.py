@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from meshnode.chat import ChatFormat
 from meshnode.errors import (
     CacheMissError,
     CapacityError,
@@ -32,6 +34,7 @@ from meshnode.errors import (
 )
 from meshnode.executor import _bindings
 from meshnode.executor.config import ExecConfig
+from meshnode.executor.context import resolve_ctx
 from meshnode.gguf.arch import POLICIES
 from meshnode.gguf.slicer import RangeArtifact, Role
 
@@ -68,8 +71,35 @@ class Vocab:
     def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
         model = _load_model(path, vocab_only=True)
         stack.callback(llama_cpp.llama_model_free, model)
+        self._model = model
+        self._chat: ChatFormat | None = None
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_tokens = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        #: the BOS token id, -1 (LLAMA_TOKEN_NULL) if the vocabulary has none
+        self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value of the file as llama.cpp renders it to text (None: no such key)."""
+        size = 1024
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+    def chat_format(self) -> ChatFormat:
+        """How ``Llama.create_chat_completion`` would render chat for this file (meshnode/chat.py); read once."""
+        if self._chat is None:
+            def text(tok: int) -> str:
+                return llama_cpp.llama_vocab_get_text(self._vocab, tok).decode("utf-8") if tok != -1 else ""
+
+            self._chat = ChatFormat(self.meta("tokenizer.chat_template"),
+                                    bos_token=text(llama_cpp.llama_vocab_bos(self._vocab)),
+                                    eos_token=text(llama_cpp.llama_vocab_eos(self._vocab)))
+        return self._chat
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """As llama.cpp does by default: BOS if the vocab wants it, specials parsed."""
@@ -147,7 +177,7 @@ class LlamaRange:
     def __init__(self, artifact: RangeArtifact, config: ExecConfig) -> None:
         _bindings.backend_init()
         self.artifact = artifact
-        self.config = config
+        self.config = resolve_ctx(config, artifact.range_path)
         self.role = artifact.role
         self._stack = contextlib.ExitStack()
         try:
@@ -210,6 +240,8 @@ class LlamaRange:
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch_threads = c.n_threads_batch
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))
+        if self.n_ctx_seq != c.n_ctx_per_session:  # llama.cpp rounds: advertise what it holds
+            self.config = dataclasses.replace(c, n_ctx_per_session=self.n_ctx_seq)
 
     def _batch(self, *, embd: int) -> llama_cpp.llama_batch:
         batch = llama_cpp.llama_batch_init(self.config.n_batch, embd, 1)
@@ -245,7 +277,8 @@ class LlamaRange:
                 f"0..{self._next_pos[seq] - 1}"
             )
         if pos0 + n > self.n_ctx_seq:
-            raise CapacityError(f"positions up to {pos0 + n} exceed the session context of {self.n_ctx_seq}")
+            raise InputError(f"positions up to {pos0 + n} exceed this node's session context of {self.n_ctx_seq} "
+                             "tokens: start it with a larger --ctx-size, or shorten the prompt")
 
     def forward(self, seq: int, pos0: int, *, tokens: npt.NDArray[np.int32] | None = None,
                 embd: F32 | None = None) -> StepOutput:

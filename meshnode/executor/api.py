@@ -139,7 +139,8 @@ class RangeExecutor:
         # load on the worker thread too: llama.cpp state lives on one thread
         self._range: LlamaRange = self._pool.submit(LlamaRange, artifact, config).result()
         self.artifact = artifact
-        self.config = config
+        #: the config as the range resolved it (the default --ctx-size decided)
+        self.config = self._range.config
         self._free = list(range(config.max_sessions - 1, -1, -1))
         self.steps_total = 0
         self.batches_total = 0

@@ -12,9 +12,10 @@ def _cpus() -> int:
 
 @dataclass(frozen=True)
 class ExecConfig:
-    #: KV cells per session (llama.cpp sequence). 512 = llama-cpp-python's Llama default
-    #: n_ctx; it also fixes the attention window padding, so parity needs it equal.
-    n_ctx_per_session: int = 512
+    #: KV cells per session (llama.cpp sequence), ``--ctx-size``: a prompt plus its output must fit.
+    #: 0 = the model's training context within the memory budget (executor/context.py), resolved when
+    #: the range loads. Not a numerics setting: attention runs over the used cells, padded to 256.
+    n_ctx_per_session: int = 0
     #: max tokens per llama_decode call; prefill chunks are cut at this size.
     #: 512 = Llama's default n_batch. Changes numerics: equal on every hop.
     n_batch: int = 512
@@ -36,7 +37,6 @@ class ExecConfig:
     def numerics(self) -> dict[str, int | bool]:
         """The settings that change numerics; hops of one route must agree on them."""
         return {
-            "n_ctx_per_session": self.n_ctx_per_session,
             "n_batch": self.n_batch,
             "n_ubatch": self.n_ubatch,
             "flash_attn": self.flash_attn,

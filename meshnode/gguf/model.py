@@ -4,6 +4,8 @@
 through: a missing file, a file that is not a GGUF, or a GGUF whose tensor
 data runs past the end of the file (truncated) each raise a distinct error
 before llama.cpp ever sees the file (llama.cpp would abort or return NULL).
+It reads the metadata with ``meta.read_meta``, which steps over the
+vocabulary arrays instead of parsing them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import gguf
 
 from meshnode.errors import ModelFormatError, ModelNotFoundError
+from meshnode.gguf.meta import GGUFMeta, read_meta
 from meshnode.paths import cache_dir
 
 GGUF_MAGIC = b"GGUF"
@@ -40,6 +43,10 @@ class ModelInfo:
     name: str
     #: size of the file in bytes
     size: int
+    #: {arch}.context_length: the context the model was trained for (0 if the file does not say)
+    n_ctx_train: int = 0
+    #: per layer: K plus V values one token adds to the KV cache (n_embd_k_gqa + n_embd_v_gqa)
+    kv_widths: tuple[int, ...] = ()
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> Any:
@@ -48,7 +55,10 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
 
 
 def open_reader(path: Path) -> gguf.GGUFReader:
-    """Open a GGUF, translating every way it can be unusable into a typed error."""
+    """Open a GGUF with gguf-py (slow: every vocabulary entry becomes a numpy view), for cutting it.
+
+    Every way the file can be unusable becomes a typed error.
+    """
     check_file(path)
     try:
         reader = gguf.GGUFReader(path, "r")
@@ -70,32 +80,66 @@ def check_file(path: Path) -> None:
         raise ModelNotFoundError(f"model file {path} does not exist")
     if not path.is_file():
         raise ModelNotFoundError(f"model path {path} is not a file")
-    with path.open("rb") as fh:
-        magic = fh.read(4)
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise ModelNotFoundError(f"model file {path} cannot be read: {e.strerror}") from e
     if magic != GGUF_MAGIC:
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, want {GGUF_MAGIC!r})")
 
 
+def _per_layer(value: Any, n_layer: int) -> list[int]:
+    """A hyperparameter given once or per layer (a list), as one value per layer."""
+    if isinstance(value, list):
+        return [int(v) for v in value[:n_layer]]
+    return [int(value)] * n_layer
+
+
+def kv_widths(meta: GGUFMeta, arch: str, n_layer: int, n_embd: int) -> tuple[int, ...]:
+    """Per layer, n_embd_k_gqa + n_embd_v_gqa: K and V values a token adds to the cache.
+
+    As llama.cpp's hparams: n_head_kv * key_length (key_length defaults to n_embd / n_head).
+    """
+    heads = _per_layer(meta.get(f"{arch}.attention.head_count", 0), n_layer)
+    kv = _per_layer(meta.get(f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count", 0)),
+                    n_layer)
+    out = []
+    for h, h_kv in zip(heads, kv, strict=True):
+        k = int(meta.get(f"{arch}.attention.key_length", n_embd // h if h else 0))
+        v = int(meta.get(f"{arch}.attention.value_length", n_embd // h if h else 0))
+        out.append(h_kv * (k + v))
+    return tuple(out)
+
+
 def inspect_model(path: Path) -> ModelInfo:
-    reader = open_reader(path)
-    arch = _field(reader, "general.architecture")
+    """The model's metadata, read without touching its vocabulary or tensor data (~10 ms)."""
+    check_file(path)
+    meta = read_meta(path)
+    arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFormatError(f"{path} has no general.architecture")
-    n_layer = _field(reader, f"{arch}.block_count")
-    n_embd = _field(reader, f"{arch}.embedding_length")
+    n_layer = meta.get(f"{arch}.block_count")
+    n_embd = meta.get(f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int):
         raise ModelFormatError(f"{path} lacks {arch}.block_count / {arch}.embedding_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.data) if tokens is not None else 0
-    name = _field(reader, "general.name")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    name = meta.get("general.name")
+    ctx = meta.get(f"{arch}.context_length")
+    try:
+        widths = kv_widths(meta, arch, n_layer, n_embd)
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{path} has unusable attention hyperparameters: {e}") from e
     return ModelInfo(
         path=path,
         arch=arch,
         n_layer=n_layer,
         n_embd=n_embd,
-        n_vocab=n_vocab,
+        n_vocab=len(tokens) if tokens is not None else 0,
         name=name if isinstance(name, str) else path.stem,
         size=path.stat().st_size,
+        n_ctx_train=ctx if isinstance(ctx, int) else 0,
+        kv_widths=widths,
     )
 
 

@@ -30,7 +30,7 @@ import hashlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,12 @@ import numpy as np
 
 from meshnode.errors import ModelFormatError
 from meshnode.gguf.arch import check_cut, swa_layers
-from meshnode.gguf.model import check_file, fingerprint, inspect_model, open_reader
+from meshnode.gguf.meta import GGUFMeta, TensorInfo, read_meta, tensor_data
+from meshnode.gguf.model import ModelInfo, check_file, fingerprint, inspect_model
 from meshnode.paths import cache_dir
+
+#: how a cut reports its progress: (what it does, done, total)
+Progress = Callable[[str, int, int], None]
 
 MANIFEST_FORMAT = "meshnode-range/1"
 #: bump when the slicer's output changes, so stale artifacts are rebuilt
@@ -101,20 +105,8 @@ class RangeArtifact:
         return str(self.manifest["range_digest"])
 
 
-def _meta(reader: gguf.GGUFReader) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        out[key] = field.contents()
-    return out
-
-
-def _tensor_bytes(t: Any) -> bytes:
-    return bytes(np.ascontiguousarray(t.data).view(np.uint8).data)
-
-
 def tensor_sha256(t: Any) -> str:
+    """sha256 of a gguf-py ReaderTensor's bytes (what ``tensor_table`` records for it)."""
     return hashlib.sha256(np.ascontiguousarray(t.data).view(np.uint8).data).hexdigest()
 
 
@@ -127,21 +119,19 @@ def range_digest(tensors: dict[str, dict[str, Any]]) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
-def _copy_kv(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, skip: Iterable[str]) -> None:
+def _copy_kv(writer: gguf.GGUFWriter, src: GGUFMeta, skip: Iterable[str]) -> None:
     skipped = set(skip) | {"general.architecture"}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in skipped:
+    for key, value in src.fields.items():
+        if key in skipped:
             continue
-        vtype = field.types[0]
-        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
-        if sub == gguf.GGUFValueType.ARRAY:
-            raise ModelFormatError(f"nested array metadata {key} is not supported")
-        writer.add_key_value(key, field.contents(), vtype, sub)
+        vtype, sub = src.types[key]
+        writer.add_key_value(key, value, vtype, sub)
 
 
-def _add_raw(writer: gguf.GGUFWriter, name: str, t: Any) -> None:
-    """Add tensor ``t`` under ``name`` with its bytes unchanged."""
-    writer.add_tensor(name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+def _add_raw(writer: gguf.GGUFWriter, path: Path, name: str, t: TensorInfo) -> None:
+    """Add tensor ``t`` of the file ``path`` under ``name`` with its bytes unchanged."""
+    data = tensor_data(path, t)
+    writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t.type)
 
 
 def _renamed(name: str, start: int, end: int) -> str | None:
@@ -155,8 +145,9 @@ def _renamed(name: str, start: int, end: int) -> str | None:
     return None
 
 
-def _write_range(src: gguf.GGUFReader, meta: dict[str, Any], arch: str, n_layer: int,
-                 start: int, end: int, role: Role, out: Path) -> None:
+def _write_range(path: Path, src: GGUFMeta, arch: str, n_layer: int,
+                 start: int, end: int, role: Role, out: Path, progress: Progress) -> None:
+    meta = src.fields
     writer = gguf.GGUFWriter(out, arch)
     tiny_vocab = role in (Role.HEAD, Role.MIDDLE)
     per_layer = {
@@ -179,8 +170,7 @@ def _write_range(src: gguf.GGUFReader, meta: dict[str, Any], arch: str, n_layer:
     _copy_kv(writer, src, skip)
     writer.add_uint32(f"{arch}.block_count", end - start)
     for key in sorted(per_layer):
-        field = src.fields[key]
-        writer.add_key_value(key, meta[key][start:end], field.types[0], field.types[1])
+        writer.add_key_value(key, meta[key][start:end], *src.types[key])
     if swa is not None and any(swa[start:end]):
         writer.add_array(pattern_key, swa[start:end])
     if tiny_vocab:
@@ -196,40 +186,71 @@ def _write_range(src: gguf.GGUFReader, meta: dict[str, Any], arch: str, n_layer:
         elif tiny_vocab and name == "output.weight":
             continue
         else:
-            _add_raw(writer, name, t)
+            _add_raw(writer, path, name, t)
+    _finish(writer, progress, f"layers {start}:{end}")
+
+
+def _finish(writer: gguf.GGUFWriter, progress: Progress, what: str) -> None:
+    """Write the header, metadata and tensors, reporting each tensor written."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None
+    (fout,) = writer.fout
+    writer.write_padding(fout, fout.tell())
+    (tensors,) = writer.tensors
+    for i, ti in enumerate(tensors.values()):  # as GGUFWriter.write_tensors_to_file, one report a tensor
+        assert ti.tensor is not None
+        ti.tensor.tofile(fout)
+        writer.write_padding(fout, ti.nbytes)
+        ti.tensor = None
+        progress(f"writing {what}", i + 1, len(tensors))
     writer.close()
 
 
-def _write_vocab(src: gguf.GGUFReader, arch: str, out: Path) -> None:
+def _write_vocab(path: Path, src: GGUFMeta, arch: str, out: Path, progress: Progress) -> None:
     """The head's vocabulary: all metadata, zero layers, and token_embd unchanged."""
     writer = gguf.GGUFWriter(out, arch)
     _copy_kv(writer, src, {f"{arch}.block_count"})
     writer.add_uint32(f"{arch}.block_count", 0)
     for t in src.tensors:
         if t.name == "token_embd.weight":
-            _add_raw(writer, t.name, t)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            _add_raw(writer, path, t.name, t)
+    _finish(writer, progress, "the head's vocabulary")
+
+
+def _sha256_at(fh: Any, offset: int, n: int, buf: memoryview) -> str:
+    h = hashlib.sha256()
+    fh.seek(offset)
+    while n:
+        got = fh.readinto(buf[: min(n, len(buf))])
+        if not got:
+            raise ModelFormatError(f"{fh.name} ended inside a tensor")
+        h.update(buf[:got])
+        n -= got
+    return h.hexdigest()
 
 
 def tensor_table(path: Path) -> dict[str, dict[str, Any]]:
-    """name -> {type, shape, sha256} for every tensor of a GGUF file."""
-    reader = open_reader(path)
-    return {
-        t.name: {
-            "type": t.tensor_type.name,
-            "shape": [int(x) for x in t.shape],
-            "sha256": tensor_sha256(t),
-            "offset": int(t.data_offset),
-            "n_bytes": int(t.n_bytes),
+    """name -> {type, shape, sha256, offset, n_bytes} for every tensor of a GGUF file.
+
+    The sha256 is of the tensor's bytes in the file; the
+    metadata is read with ``read_meta``, which skips the vocabulary arrays.
+    """
+    check_file(path)
+    meta = read_meta(path)
+    buf = memoryview(bytearray(1 << 20))
+    with path.open("rb", buffering=0) as fh:
+        return {
+            t.name: {
+                "type": t.type.name,
+                "shape": list(t.shape),
+                "sha256": _sha256_at(fh, t.offset, t.n_bytes, buf),
+                "offset": t.offset,
+                "n_bytes": t.n_bytes,
+            }
+            for t in meta.tensors
         }
-        for t in reader.tensors
-    }
 
 
 def artifact_dir(fp: str, start: int, end: int) -> Path:
@@ -260,24 +281,47 @@ def cached_range(source: Path, start: int, end: int) -> RangeArtifact | None:
     return _load(artifact_dir(fingerprint(source), start, end), source)
 
 
-def ensure_range(source: Path, start: int, end: int) -> RangeArtifact:
+def whole_model(source: Path) -> RangeArtifact:
+    """The whole model as a local, unattested artifact: the source file loaded as it is.
+
+    For running the whole model in this process (``generate --model``): no
+    manifest is written and no tensor is hashed, since nothing is attested to
+    a peer; llama.cpp loads the very file ``Llama(source)`` would.
+    """
+    info = inspect_model(source)
+    manifest = {
+        "format": MANIFEST_FORMAT, "slicer": SLICER_VERSION, "range": [0, info.n_layer], "role": Role.WHOLE.value,
+        "source": {"fingerprint": "", "name": info.name, "arch": info.arch, "n_layer": info.n_layer,
+                   "n_embd": info.n_embd, "file": str(source.resolve())},
+        "tensors": {}, "range_digest": "", "vocab_tensors": {},
+    }
+    return RangeArtifact(source.parent, source, None, manifest)
+
+
+def ensure_range(source: Path, start: int, end: int, progress: Progress | None = None) -> RangeArtifact:
     """The artifact of [start, end) of ``source``, cut now unless already cut.
 
     A cached artifact is found without parsing the source (its fingerprint is
     memoised by path, size and mtime, so a changed file is cut anew).
+    ``progress(what, done, total)`` is told how the cut goes.
     """
     check_file(source)
     done = cached_range(source, start, end)
     if done is not None:
         return done
-    return _cut(source, start, end)
+    return _cut(source, start, end, progress or _quiet)
 
 
-def _cut(source: Path, start: int, end: int) -> RangeArtifact:
+def _quiet(what: str, done: int, total: int) -> None:
+    pass
+
+
+def _cut(source: Path, start: int, end: int, progress: Progress) -> RangeArtifact:
+    progress("reading metadata", 0, 1)
+    meta = read_meta(source, full=True)
     info = inspect_model(source)
-    reader = open_reader(source)
-    meta = _meta(reader)
-    check_cut(meta, info.arch, info.n_layer, start, end)
+    check_cut(meta.fields, info.arch, info.n_layer, start, end)
+    progress("fingerprinting the source", 0, 1)
     fp = fingerprint(source)
     dir_ = artifact_dir(fp, start, end)
     role = role_of(start, end, info.n_layer)
@@ -286,29 +330,13 @@ def _cut(source: Path, start: int, end: int) -> RangeArtifact:
     try:
         files: dict[str, Path] = {}
         if role is not Role.WHOLE:
-            _write_range(reader, meta, info.arch, info.n_layer, start, end, role, tmp / "range.gguf")
+            _write_range(source, meta, info.arch, info.n_layer, start, end, role, tmp / "range.gguf", progress)
             files["range.gguf"] = tmp / "range.gguf"
         if role is Role.HEAD:
-            _write_vocab(reader, info.arch, tmp / "vocab.gguf")
+            _write_vocab(source, meta, info.arch, tmp / "vocab.gguf", progress)
             files["vocab.gguf"] = tmp / "vocab.gguf"
-        tensors = tensor_table(files.get("range.gguf", source))
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "slicer": SLICER_VERSION,
-            "source": {
-                "fingerprint": fp,
-                "name": info.name,
-                "arch": info.arch,
-                "n_layer": info.n_layer,
-                "n_embd": info.n_embd,
-                "file": str(source.resolve()),
-            },
-            "range": [start, end],
-            "role": role.value,
-            "tensors": tensors,
-            "range_digest": range_digest(tensors),
-            "vocab_tensors": tensor_table(files["vocab.gguf"]) if "vocab.gguf" in files else {},
-        }
+        progress("hashing tensors", 0, 1)
+        manifest = _manifest(source, info, fp, start, end, role, files)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if dir_.exists():
             shutil.rmtree(dir_)
@@ -319,3 +347,25 @@ def _cut(source: Path, start: int, end: int) -> RangeArtifact:
     loaded = _load(dir_, source)
     assert loaded is not None
     return loaded
+
+
+def _manifest(source: Path, info: ModelInfo, fp: str, start: int, end: int, role: Role,
+              files: dict[str, Path]) -> dict[str, Any]:
+    tensors = tensor_table(files.get("range.gguf", source))
+    return {
+        "format": MANIFEST_FORMAT,
+        "slicer": SLICER_VERSION,
+        "source": {
+            "fingerprint": fp,
+            "name": info.name,
+            "arch": info.arch,
+            "n_layer": info.n_layer,
+            "n_embd": info.n_embd,
+            "file": str(source.resolve()),
+        },
+        "range": [start, end],
+        "role": role.value,
+        "tensors": tensors,
+        "range_digest": range_digest(tensors),
+        "vocab_tensors": tensor_table(files["vocab.gguf"]) if "vocab.gguf" in files else {},
+    }

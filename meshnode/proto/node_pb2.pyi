@@ -203,9 +203,11 @@ class Numerics(_message.Message):
     N_UBATCH_FIELD_NUMBER: _builtins.int
     FLASH_ATTN_FIELD_NUMBER: _builtins.int
     n_ctx_per_session: _builtins.int
-    """KV cells per session (llama.cpp n_ctx_seq)"""
+    """KV cells per session (llama.cpp n_ctx_seq, --ctx-size); a limit, not"""
     n_batch: _builtins.int
-    """max tokens per llama_decode (prefill chunk)"""
+    """compared between hops: a route's context is its smallest hop's
+    max tokens per llama_decode (prefill chunk)
+    """
     n_ubatch: _builtins.int
     """physical micro-batch"""
     flash_attn: _builtins.bool
@@ -406,9 +408,9 @@ class Throughput(_message.Message):
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     decode_tokens_per_second: _builtins.float
-    """single-session decode steps per second"""
+    """single-session decode steps per second (warm, median, at start)"""
     prefill_tokens_per_second: _builtins.float
-    """tokens per second of a 64-token prefill"""
+    """tokens per second of a 32-token prefill (warm, median of 3, at start)"""
     def __init__(
         self,
         *,
@@ -656,6 +658,7 @@ class Capability(_message.Message):
     HARDWARE_FIELD_NUMBER: _builtins.int
     THROUGHPUT_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
+    MODEL_FILE_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """this node's schema version"""
     service: _builtins.str
@@ -684,6 +687,8 @@ class Capability(_message.Message):
     """llama-cpp-python version / llama.cpp system info"""
     node_id: _builtins.str
     """this node's id (meshnode.identity)"""
+    model_file: _builtins.str
+    """file name of the source GGUF, no directory ("SmolLM2-135M-Instruct.Q4_1.gguf"):"""
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the range this node serves"""
@@ -736,10 +741,11 @@ class Capability(_message.Message):
         hardware: Global___Hardware | None = ...,
         throughput: Global___Throughput | None = ...,
         endpoints: _abc.Iterable[_builtins.str] | None = ...,
+        model_file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attestation", b"attestation", "hardware", b"hardware", "limits", b"limits", "numerics", b"numerics", "range", b"range", "throughput", b"throughput"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "endpoints", b"endpoints", "hardware", b"hardware", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service", "throughput", b"throughput"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "endpoints", b"endpoints", "hardware", b"hardware", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_file", b"model_file", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service", "throughput", b"throughput"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -964,33 +970,79 @@ Global___Hop: _TypeAlias = Hop  # noqa: Y015
 
 @_typing.final
 class Sampling(_message.Message):
+    """What the tail's sampler chain does: llama.cpp's own chain, built as llama-cpp-python's
+    Llama builds it for create_completion (docs/protocol.md, "Sampling"): penalties, then greedy
+    at temperature 0, else top-k -> typical -> top-p -> min-p -> temperature -> dist(seed). A field
+    left unset has no effect, so an empty Sampling is plain greedy; initiators send every field
+    (Llama.create_completion's defaults come from the caller, not from here).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    TYPICAL_P_FIELD_NUMBER: _builtins.int
+    REPEAT_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    PENALTY_LAST_N_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """0 = greedy (argmax, first maximum on ties)"""
+    """0 = greedy (argmax, first maximum on ties); > 0 samples; < 0 refused"""
     seed: _builtins.int
-    """RNG seed when temperature > 0"""
+    """the dist sampler's seed when temperature > 0 (0 .. 2^32-2)"""
     top_p: _builtins.float
-    """nucleus cut-off when temperature > 0 (1 = off)"""
+    """nucleus cut-off in [0, 1] (unset or 1 = off)"""
     top_k: _builtins.int
-    """top-k cut-off when temperature > 0 (0 = off)"""
+    """keep the k most likely tokens (0 = off; at most 2^31-1)"""
+    min_p: _builtins.float
+    """drop tokens below min_p x the top probability, in [0, 1] (0 = off)"""
+    typical_p: _builtins.float
+    """locally typical sampling, in [0, 1] (unset or 1 = off)"""
+    repeat_penalty: _builtins.float
+    """> 0: a seen token's logit divided (positive) or multiplied by it (unset or 1 = off)"""
+    frequency_penalty: _builtins.float
+    """finite: a seen token's logit minus count x this (0 = off)"""
+    presence_penalty: _builtins.float
+    """finite: a seen token's logit minus this (0 = off)"""
+    penalty_last_n: _builtins.int
+    """sampled tokens the penalties look back over (unset = 64, Llama's)"""
     def __init__(
         self,
         *,
         temperature: _builtins.float = ...,
         seed: _builtins.int = ...,
-        top_p: _builtins.float = ...,
+        top_p: _builtins.float | None = ...,
         top_k: _builtins.int = ...,
+        min_p: _builtins.float = ...,
+        typical_p: _builtins.float | None = ...,
+        repeat_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        penalty_last_n: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_penalty_last_n", b"_penalty_last_n", "_repeat_penalty", b"_repeat_penalty", "_top_p", b"_top_p", "_typical_p", b"_typical_p", "penalty_last_n", b"penalty_last_n", "repeat_penalty", b"repeat_penalty", "top_p", b"top_p", "typical_p", b"typical_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_penalty_last_n", b"_penalty_last_n", "_repeat_penalty", b"_repeat_penalty", "_top_p", b"_top_p", "_typical_p", b"_typical_p", "frequency_penalty", b"frequency_penalty", "min_p", b"min_p", "penalty_last_n", b"penalty_last_n", "presence_penalty", b"presence_penalty", "repeat_penalty", b"repeat_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "typical_p", b"typical_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__penalty_last_n: _TypeAlias = _typing.Literal["penalty_last_n"]  # noqa: Y015
+    _WhichOneofArgType__penalty_last_n: _TypeAlias = _typing.Literal["_penalty_last_n", b"_penalty_last_n"]  # noqa: Y015
+    _WhichOneofReturnType__repeat_penalty: _TypeAlias = _typing.Literal["repeat_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repeat_penalty: _TypeAlias = _typing.Literal["_repeat_penalty", b"_repeat_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__typical_p: _TypeAlias = _typing.Literal["typical_p"]  # noqa: Y015
+    _WhichOneofArgType__typical_p: _TypeAlias = _typing.Literal["_typical_p", b"_typical_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__penalty_last_n) -> _WhichOneofReturnType__penalty_last_n | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repeat_penalty) -> _WhichOneofReturnType__repeat_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__typical_p) -> _WhichOneofReturnType__typical_p | None: ...
 
 Global___Sampling: _TypeAlias = Sampling  # noqa: Y015
 
@@ -1016,6 +1068,7 @@ class SessionOpen(_message.Message):
     FORWARDER_PROOF_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
     N_PAST_FIELD_NUMBER: _builtins.int
+    SAMPLED_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """sender's schema version"""
     route_session_id: _builtins.str
@@ -1066,6 +1119,13 @@ class SessionOpen(_message.Message):
     def forwarder_proof(self) -> Global___SignedEnvelope:
         """RouteForward signed by the previous hop (absent for the head)"""
 
+    @_builtins.property
+    def sampled(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With resume: every token the tail sampled so far, in order (the initiator's results). A
+        tail rebuilds its sampler chain from them — a fresh chain with the same seed, advanced by
+        one draw and one accept per token — so the continuation equals an uninterrupted run.
+        """
+
     def __init__(
         self,
         *,
@@ -1085,10 +1145,11 @@ class SessionOpen(_message.Message):
         forwarder_proof: Global___SignedEnvelope | None = ...,
         resume: _builtins.bool = ...,
         n_past: _builtins.int = ...,
+        sampled: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["forwarder_proof", b"forwarder_proof", "limits", b"limits", "numerics", b"numerics", "range", b"range", "sampling", b"sampling", "signed_open", b"signed_open"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_nanos", b"deadline_unix_nanos", "downstream", b"downstream", "forwarder_proof", b"forwarder_proof", "limits", b"limits", "model_fingerprint", b"model_fingerprint", "n_past", b"n_past", "numerics", b"numerics", "range", b"range", "resume", b"resume", "return_logits", b"return_logits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "sampling", b"sampling", "schema_version", b"schema_version", "signed_open", b"signed_open", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_nanos", b"deadline_unix_nanos", "downstream", b"downstream", "forwarder_proof", b"forwarder_proof", "limits", b"limits", "model_fingerprint", b"model_fingerprint", "n_past", b"n_past", "numerics", b"numerics", "range", b"range", "resume", b"resume", "return_logits", b"return_logits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "sampled", b"sampled", "sampling", b"sampling", "schema_version", b"schema_version", "signed_open", b"signed_open", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1704,44 +1765,86 @@ class TokenizeRequest(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_FIELD_NUMBER: _builtins.int
     PARSE_SPECIAL_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """raw text"""
+    """raw text (ignored when `messages` is given)"""
     add_special: _builtins.bool
-    """add BOS/EOS as the vocabulary asks (llama.cpp default: true)"""
+    """add BOS/EOS as the vocabulary asks (llama.cpp default: true); chat: the template decides"""
     parse_special: _builtins.bool
-    """parse special-token text (llama.cpp default here: true)"""
+    """parse special-token text (llama.cpp default here: true); chat: always true"""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """Chat: render these with the model's own chat format, as llama-cpp-python's
+        create_chat_completion does for the same file (meshnode/chat.py), then tokenize
+        """
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         add_special: _builtins.bool = ...,
         parse_special: _builtins.bool = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_special", b"add_special", "parse_special", b"parse_special", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_special", b"add_special", "messages", b"messages", "parse_special", b"parse_special", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
 
 @_typing.final
+class ChatMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user", "assistant", ... (the template decides what it accepts)"""
+    content: _builtins.str
+    """the message text"""
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
 class TokenizeReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKENS_FIELD_NUMBER: _builtins.int
+    BOS_TOKEN_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    bos_token: _builtins.int
+    """the vocabulary's BOS token id, -1 if it has none (text is cut as Llama's detokenize)"""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """token ids"""
+
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """chat: stop strings the chat format adds (e.g. its end-of-turn text)"""
 
     def __init__(
         self,
         *,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
+        bos_token: _builtins.int = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bos_token", b"bos_token", "stop", b"stop", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,7 @@ thinnest, filling gaps first.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from meshnode.errors import InputError
@@ -30,7 +31,38 @@ def coverage(ranges: Sequence[tuple[str, int, int]], n_layer: int) -> list[list[
     return layers
 
 
-def model_matches(fingerprint: str, name: str, query: str) -> bool:
-    """A model named by its fingerprint (or a prefix of 8+ hex digits) or its general.name. Pure."""
+#: a quantization suffix of a GGUF file name: "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct"
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)
+#: a fingerprint prefix must be this long to name a model
+MIN_PREFIX = 8
+
+
+def file_names(file_name: str) -> set[str]:
+    """The names a GGUF file answers to, lower case: as is, without ``.gguf``, without its quant suffix. Pure."""
+    f = file_name.strip().lower()
+    if not f:
+        return set()
+    stem = f[: -len(".gguf")] if f.endswith(".gguf") else f
+    return {f, stem, _QUANT_SUFFIX.sub("", stem)}
+
+
+def is_short_prefix(query: str) -> bool:
+    """A query that looks like a fingerprint prefix but is too short to name a model. Pure."""
     q = query.strip().lower()
-    return (len(q) >= 8 and fingerprint.startswith(q)) or name.lower() == q
+    return 0 < len(q) < MIN_PREFIX and re.fullmatch(r"[0-9a-f]+", q) is not None
+
+
+def model_matches(fingerprint: str, name: str, query: str, file_name: str = "") -> bool:
+    """A model named by its fingerprint (or a prefix of 8+ hex digits), its general.name or its file name.
+
+    Case-insensitive. A file name matches with or without ``.gguf`` and its
+    quant suffix, and a path matches by its last component (what ``model
+    pull`` prints). Pure.
+    """
+    q = query.strip().lower()
+    if not q:
+        return False
+    if len(q) >= MIN_PREFIX and re.fullmatch(r"[0-9a-f]+", q) and fingerprint.lower().startswith(q):
+        return True
+    base = q.rsplit("/", 1)[-1]
+    return name.strip().lower() == q or (bool(base) and base in file_names(file_name))

@@ -18,7 +18,9 @@ seconds. An open with ``resume`` (a higher epoch, signed by the same
 initiator) adopts it (``adopt()``), keeps the confirmed positions, and the
 initiator's replay steps rebuild whichever hop holds nothing: a non-tail hop
 keeps its output rows per chunk (``history``) so that it can pass them on for
-positions it already holds, without recomputing them.
+positions it already holds, without recomputing them. A tail owns one
+llama.cpp sampler chain per session (``executor/sampler.py``), made at the
+open and, on a resume, rebuilt from the open's ``sampled`` tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,12 +36,14 @@ import numpy as np
 
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
+from meshnode.executor.sampler import Chain
 from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import accept, check_open, forward_proof, parse_open
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.flow import Flow
-from meshnode.session.sampling import check_sampling, sample
+from meshnode.session.sampling import SamplingParams
+from meshnode.session.sampling import from_pb as sampling_from_pb
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import NP_DTYPES, decode_bundle, encode_bundle
@@ -141,6 +145,8 @@ class HopSession:
     detachable: bool = False
     #: monotonic time it was detached
     detached_at: float = 0.0
+    #: tail: llama.cpp's sampler chain of this session (penalty window + seeded RNG)
+    chain: Chain | None = None
 
     # -- open -----------------------------------------------------------------
 
@@ -164,7 +170,9 @@ class HopSession:
             )
         if o.HasField("numerics") and codec.numerics_key(o.numerics) != codec.numerics_key(cap.numerics):
             raise errors.RouteError(f"numerics {o.numerics} differ from this node's {cap.numerics}")
-        check_sampling(temperature=o.sampling.temperature, top_p=o.sampling.top_p)
+        sampling = sampling_from_pb(o.sampling)
+        if o.sampled and not o.resume:
+            raise errors.InputError("only a resume carries sampled tokens")
         if o.wire_dtype not in NP_DTYPES and o.wire_dtype != pb.DTYPE_UNSPECIFIED:
             raise errors.ShapeError(f"wire dtype {o.wire_dtype} is not DTYPE_F32 or DTYPE_F16")
         if bool(o.downstream) == (cap.range.end == cap.n_layer):
@@ -185,6 +193,8 @@ class HopSession:
         else:
             self.slot = self.executor.open_slot()
         assert self.slot is not None
+        if not o.downstream:
+            self.chain = self._rebuild_chain(sampling, o.sampled, o.n_past)
         hops = [cap]
         acceptances = [accept(self.ident, self.route_open)]
         cached = [self.executor.next_pos(self.slot)]
@@ -199,6 +209,24 @@ class HopSession:
             acceptances=acceptances, cached=cached,
         )
 
+    def _rebuild_chain(self, sampling: SamplingParams, sampled: Sequence[int], n_past: int) -> Chain:
+        """The tail's sampler chain, advanced over the tokens sampled before a resume (none when new).
+
+        Rebuilt on every resume, even when this tail adopts its own detached session: it may have
+        sampled tokens whose results never reached the initiator, and a chain cannot be rolled back.
+        """
+        vocab = self.executor.vocab
+        assert vocab is not None
+        if len(sampled) > n_past + 1:
+            raise errors.InputError(f"{len(sampled)} sampled tokens for a resume at position {n_past}")
+        bad = [t for t in sampled if not 0 <= t < vocab.n_tokens]
+        if bad:
+            raise errors.InputError(f"sampled token {bad[0]} is outside the vocabulary of {vocab.n_tokens}")
+        chain = Chain(sampling, vocab.n_tokens)
+        for t in sampled:
+            chain.advance(t)
+        return chain
+
     async def adopt(self, prior: HopSession, o: pb.SessionOpen) -> None:
         """Take over a detached session's KV state, keeping positions [0, o.n_past)."""
         if prior.route_open.initiator_node_id != self.route_open.initiator_node_id:
@@ -207,6 +235,9 @@ class HopSession:
             raise errors.EpochStaleError(f"a resume needs an epoch above {prior.epoch}, not {o.route_epoch}")
         assert prior.slot is not None
         self.slot, prior.slot = prior.slot, None
+        if prior.chain is not None:  # open() builds this session's own, advanced to the resume point
+            prior.chain.close()
+            prior.chain = None
         await self.executor.truncate(self.slot, o.n_past)
         self.history = {p: r for p, r in prior.history.items() if p + len(r) <= o.n_past}
 
@@ -296,12 +327,10 @@ class HopSession:
         if s.replay:
             return result  # rebuilt this hop's KV; the token was sampled before the failover
         if s.sample:
-            o = self.open_msg.sampling
-            # one RNG per position: a replacement tail samples what the original would have
-            rng = np.random.default_rng([o.seed, n_past + n - 1])
-            tok = sample(out.logits, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p or 1.0, rng=rng)
             vocab = ex.vocab
             assert vocab is not None
+            assert self.chain is not None
+            tok = self.chain.sample(out.logits)  # llama.cpp's chain; its state moves on (penalties, RNG)
             result.token = tok
             result.piece = vocab.piece(tok)
             result.end_of_generation = vocab.is_eog(tok)
@@ -424,6 +453,9 @@ class HopSession:
         comes. Without it they only see the stream break (and keep the KV for a resume).
         """
         self.history.clear()
+        if self.chain is not None:
+            chain, self.chain = self.chain, None
+            chain.close()
         if end_downstream and self.downstream is not None and not self.downstream_told:
             self.downstream_told = True
             with contextlib.suppress(errors.MeshnodeError):

@@ -12,6 +12,12 @@ reopens the route with ``resume`` under the next epoch (the other hops keep
 their KV state) and replays the history from the lowest position some hop
 lacks; the replaced hop recomputes it in the original chunking, so its KV
 cache — and every later token — is bit-identical to an uninterrupted run.
+The resume open also carries every token sampled so far (``sampled``): the
+tail rebuilds its llama.cpp sampler chain from them (penalty window and RNG),
+so the continuation is the uninterrupted run's at any temperature.
+
+The text is cut as ``Llama.create_completion`` cuts it (``completion.py``:
+end-of-generation, stop strings, max_tokens).
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import grpc
 import numpy as np
 
 from meshnode import errors
+from meshnode.executor.context import check_fits
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import verify_attestation
 from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_control, sign_route
@@ -37,7 +44,17 @@ from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.routing.chain import PeerView, check_chain
 from meshnode.routing.choose import Candidate
 from meshnode.routing.failover import Backoff, can_fail_over, replacement, replay_depths, spare_candidates
-from meshnode.transport.client import get_capability, open_channel, release, tokenize, translate
+from meshnode.session.completion import Completion
+from meshnode.session.sampling import GREEDY, SamplingParams, check_sampling, check_stops
+from meshnode.session.sampling import to_pb as sampling_pb
+from meshnode.transport.client import (
+    get_capability,
+    open_channel,
+    release,
+    tokenize_chat,
+    tokenize_with_bos,
+    translate,
+)
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import decode_bundle
@@ -51,14 +68,14 @@ ABANDON_TIMEOUT = 2.0
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    #: raw completion text, tokenized by the head as llama.cpp does by default
+    #: raw completion text, tokenized by the tail as llama.cpp does by default (unused with ``messages``)
     prompt: str
-    #: stop after this many generated tokens (or at end-of-generation)
+    #: stop after this many generated tokens (or at end-of-generation); 0: as many as the context leaves
     max_tokens: int = 32
-    #: 0 = greedy
-    temperature: float = 0.0
-    #: RNG seed for temperature > 0
-    seed: int = 0
+    #: the tail's llama.cpp sampler chain; greedy by default here (reproducible), the CLI passes its own
+    sampling: SamplingParams = GREEDY
+    #: stop strings: the text is cut before the first one that occurs, as ``Llama.create_completion`` cuts it
+    stop: tuple[str, ...] = ()
     #: residual dtype on the wire: DTYPE_F32 (bit-exact) or DTYPE_F16 (not bit-exact)
     wire_dtype: int = pb.DTYPE_F32
     #: seconds each step may take end to end
@@ -69,6 +86,9 @@ class GenerateConfig:
     delegate: bool = True
     #: when a failed hop has no spare: seconds to wait for it to come back (a restart), then replay
     rejoin_wait: float = 5.0
+    #: chat: (role, content) messages, rendered by the tail with the model's own chat template as
+    #: ``Llama.create_chat_completion`` renders them (then ``prompt`` is not used)
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -76,7 +96,7 @@ class GenerationResult:
     tokens: list[int]
     text: str
     prompt_tokens: list[int]
-    stop_reason: str  # "eog" | "length"
+    stop_reason: str  # "eog" | "stop" (a stop string) | "length"
     prefill_seconds: float
     decode_seconds: float
     route: list[str]
@@ -85,6 +105,8 @@ class GenerationResult:
     bytes_per_token: dict[str, float] = field(default_factory=dict)
     #: re-routes made (``Failover`` as dicts), in order
     failovers: list[dict[str, object]] = field(default_factory=list)
+    #: the dist sampler's seed (None: greedy, no seed involved)
+    seed: int | None = None
 
 
 @dataclass
@@ -141,6 +163,8 @@ class RouteSession:
         self.n_past = 0
         #: chunks fed whose results arrived, in order (positions [0, n_past)): what a failover replays
         self.history: list[list[int]] = []
+        #: every token the tail sampled whose result arrived, in order: a resume rebuilds the tail's sampler
+        self.sampled: list[int] = []
         self.limits = pb.FlowLimits()
         #: Generate results read and not yet acknowledged with a CreditGrant
         self._owed = 0
@@ -185,10 +209,9 @@ class RouteSession:
             model_fingerprint=head.model_fingerprint, range=head.range, signed_open=opens[0],
             downstream=[pb.Hop(endpoint=p, range=c.range, node_id=c.node_id, signed_open=s) for p, c, s in rest],
             limits=head.limits, wire_dtype=self.cfg.wire_dtype,  # type: ignore[arg-type]
-            sampling=pb.Sampling(temperature=self.cfg.temperature, seed=self.cfg.seed, top_p=1.0),
-            numerics=head.numerics, return_logits=self.cfg.return_logits,
+            sampling=sampling_pb(self.cfg.sampling), numerics=head.numerics, return_logits=self.cfg.return_logits,
             deadline_unix_nanos=codec.deadline_in(self.cfg.step_timeout), resume=resume,
-            n_past=self.n_past if resume else 0,
+            n_past=self.n_past if resume else 0, sampled=self.sampled if resume else [],
         )
         reply = await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, open=o))
         if not reply.HasField("accepted"):
@@ -273,9 +296,13 @@ class RouteSession:
                                               credit=pb.CreditGrant(credits=owed)))
 
     async def release(self) -> None:
+        """Release the session and wait for its answer. A Generate stopped early (a stop string) may
+        still have results on the way: they are read past (each read bounded by the step timeout)."""
         try:
-            await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
-                                                 release=pb.ReleaseSignal()))
+            await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
+                                              release=pb.ReleaseSignal()))
+            while (await self._read()).HasField("result"):
+                pass
         finally:
             await self.close()
 
@@ -302,35 +329,72 @@ class RouteSession:
 
 async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentity | None = None, *,
                    spares: Sequence[str] = (),
-                   on_token: Callable[[int, bytes], None] | None = None) -> GenerationResult:
+                   on_token: OnToken | None = None) -> GenerationResult:
     """Generate across the route ``peers`` (in layer order).
 
     ``spares``: other peers of the same model; when a hop fails, one of them
     (or a chain of them) that serves its span takes over. ``on_token`` is
-    called with each token id and its text bytes as it arrives.
+    called with each token id and the text bytes it releases as it arrives
+    (``completion.Completion.release``: text that may start a stop string is
+    held back; a last call with token None flushes what was held at the end).
     """
-    if cfg.max_tokens < 1:
-        raise errors.InputError("--max-tokens must be at least 1")
+    check_generate(cfg)
     caps = await check_route(peers)
     spare_caps = await _spare_capabilities([s for s in spares if s not in peers], caps[0])
-    prompt = await tokenize(peers[-1], cfg.prompt)  # the tail carries the vocabulary
-    if not prompt:
-        raise errors.InputError("the prompt tokenizes to nothing")
-    if len(prompt) + cfg.max_tokens > caps[0].numerics.n_ctx_per_session:
-        raise errors.InputError(
-            f"prompt ({len(prompt)} tokens) + --max-tokens ({cfg.max_tokens}) exceed the session "
-            f"context of {caps[0].numerics.n_ctx_per_session} tokens"
-        )
+    prompt, bos, cfg = await _prompt(peers[-1], cfg)  # the tail carries the vocabulary
+    # the route's context is its smallest hop's (hops may differ: it is not a numerics setting)
+    ctx, smallest = min((c.numerics.n_ctx_per_session, p) for p, c in zip(peers, caps, strict=True))
+    if cfg.max_tokens == 0:
+        cfg = replace(cfg, max_tokens=max(ctx - len(prompt), 1))
+    check_fits(len(prompt), cfg.max_tokens, ctx, where=f" of hop {smallest}, the route's smallest")
+    spare_caps = {e: c for e, c in spare_caps.items()
+                  if c.numerics.n_ctx_per_session >= len(prompt) + cfg.max_tokens}
     rs = RouteSession(peers, caps, cfg, ident)
+    completion = new_completion(cfg, bos, caps[0].numerics.n_ctx_per_session - len(prompt))
     try:
         await rs.open()
-        return await _Run(rs, prompt, cfg, spare_caps, on_token).run()
+        return await _Run(rs, prompt, cfg, spare_caps, completion, on_token).run()
     except asyncio.CancelledError:  # stopped by the user (Ctrl-C) or the caller: nothing will resume it
         await asyncio.shield(rs.abandon())
         raise
     except BaseException:  # a failure: the hops keep the KV detached for their grace period (a resume)
         await rs.close()
         raise
+
+
+async def _prompt(tail: str, cfg: GenerateConfig) -> tuple[list[int], int, GenerateConfig]:
+    """The prompt's tokens and the vocabulary's BOS id, from the tail; for a chat, ``cfg`` gains the
+    chat format's stop strings (as ``create_chat_completion`` adds them to the caller's)."""
+    if cfg.messages:
+        prompt, bos, stops = await tokenize_chat(tail, list(cfg.messages))
+        cfg = replace(cfg, stop=cfg.stop + tuple(s for s in stops if s and s not in cfg.stop))
+    else:
+        prompt, bos = await tokenize_with_bos(tail, cfg.prompt)
+    if not prompt:
+        raise errors.InputError("the prompt tokenizes to nothing")
+    return prompt, bos, cfg
+
+
+#: ``on_token(token, released text bytes)``; token None: the end, flushing text held back for a stop string
+OnToken = Callable[[int | None, bytes], None]
+
+
+def check_generate(cfg: GenerateConfig) -> None:
+    """What ``generate`` (route or local) refuses before any work (InputError)."""
+    if cfg.max_tokens < 0:
+        raise errors.InputError("max_tokens must be at least 1 (0: as many as the context leaves)")
+    check_sampling(cfg.sampling)
+    check_stops(cfg.stop)
+
+
+def new_completion(cfg: GenerateConfig, bos: int, limit: int) -> Completion:
+    """The text tracker of one generation (``limit``: tokens the session's context leaves)."""
+    return Completion(max_tokens=cfg.max_tokens, stops=tuple(s.encode("utf-8") for s in cfg.stop), bos=bos,
+                      limit=max(limit, 1))
+
+
+def seed_of(cfg: GenerateConfig) -> int | None:
+    return cfg.sampling.seed if cfg.sampling.temperature > 0 else None
 
 
 async def _spare_capabilities(spares: Sequence[str], head: pb.Capability) -> dict[str, pb.Capability]:
@@ -354,17 +418,15 @@ class _Run:
     """One generation: prefill, decode, and a failover whenever a hop dies and a spare can take over."""
 
     def __init__(self, rs: RouteSession, prompt: list[int], cfg: GenerateConfig,
-                 spares: dict[str, pb.Capability], on_token: Callable[[int, bytes], None] | None) -> None:
+                 spares: dict[str, pb.Capability], completion: Completion, on_token: OnToken | None) -> None:
         self.rs, self.prompt, self.cfg, self.on_token = rs, prompt, cfg, on_token
+        self.completion = completion
         #: every peer of the model seen so far, on the route or not (the spares are derived from it)
         self.known: dict[str, pb.Capability] = {**spares, **dict(zip(rs.peers, rs.caps, strict=True))}
         chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
         self.chunks = [prompt[i : i + chunk] for i in range(0, len(prompt), chunk)]
-        self.tokens: list[int] = []
-        self.pieces: list[bytes] = []
         self.logits: list[np.ndarray] = []
         self.bytes_in: dict[str, int] = {}
-        self.stop = "length"
         self.failovers: list[Failover] = []
         self.backoff = Backoff()
 
@@ -382,7 +444,7 @@ class _Run:
                         prefill = time.perf_counter() - t0
                         done = self._take(result)
                 t1 = time.perf_counter() if not prefill else t0 + prefill
-                while not done and len(self.tokens) < cfg.max_tokens:
+                while not done:
                     done = await self._decode()
                 break
             except errors.MeshnodeError as e:
@@ -391,20 +453,27 @@ class _Run:
                 await self._fail_over(e)
         decode = time.perf_counter() - t1
         await rs.release()
-        steps = max(len(self.tokens) - 1, 1)
+        if self.on_token is not None and (rest := self.completion.release()):
+            self.on_token(None, rest)
+        c = self.completion
+        steps = max(len(rs.sampled) - 1, 1)
+        assert c.finish is not None
         return GenerationResult(
-            tokens=self.tokens, text=b"".join(self.pieces).decode("utf-8", errors="replace"),
-            prompt_tokens=self.prompt, stop_reason=self.stop, prefill_seconds=prefill, decode_seconds=decode,
-            route=list(rs.peers), logits=self.logits, bytes_per_token={k: v / steps for k, v in self.bytes_in.items()},
+            tokens=list(c.tokens), text=c.text, prompt_tokens=self.prompt, stop_reason=c.finish,
+            prefill_seconds=prefill, decode_seconds=decode, route=list(rs.peers), logits=self.logits,
+            bytes_per_token={k: v / steps for k, v in self.bytes_in.items()},
             failovers=[{k: v for k, v in asdict(f).items() if k != "detected_at"} for f in self.failovers],
+            seed=seed_of(cfg),
         )
 
     async def _decode(self) -> bool:
         """Decode until done or the stream of results ends; True when the generation is over."""
-        rs, left = self.rs, self.cfg.max_tokens - len(self.tokens)
+        rs, c = self.rs, self.completion
+        # at least one more: Llama lets a text that ends mid-character run past max_tokens
+        left = max(min(self.cfg.max_tokens, c.limit) - len(rs.sampled), 1)
         if not self.cfg.delegate:
-            return self._take(await rs.step([self.tokens[-1]], sample=True))
-        results = rs.generate(self.tokens[-1], left)
+            return self._take(await rs.step([rs.sampled[-1]], sample=True))
+        results = rs.generate(rs.sampled[-1], left)
         try:
             async for result in results:
                 if self._take(result):
@@ -423,17 +492,14 @@ class _Run:
         if self.cfg.return_logits:
             self.logits.append(decode_bundle(result.logits, n_cols=result.logits.shape[1]
                                              if result.logits.shape else 0)[0])
-        self.tokens.append(result.token)
-        if len(self.tokens) > 1:
+        self.rs.sampled.append(result.token)
+        if len(self.rs.sampled) > 1:
             for t in result.timings:
                 self.bytes_in[t.endpoint] = self.bytes_in.get(t.endpoint, 0) + t.bytes_in
-        if result.end_of_generation:
-            self.stop = "eog"
-            return True
-        self.pieces.append(result.piece)
-        if self.on_token is not None:
-            self.on_token(result.token, result.piece)
-        return len(self.tokens) >= self.cfg.max_tokens
+        done = self.completion.add(result.token, result.piece, eog=result.end_of_generation)
+        if self.on_token is not None and not result.end_of_generation:
+            self.on_token(result.token, self.completion.release())
+        return done
 
     async def _fail_over(self, e: errors.MeshnodeError) -> None:
         rs = self.rs

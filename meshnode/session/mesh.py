@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import trio
@@ -17,8 +18,8 @@ import trio
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
-from meshnode.discovery.tracker_client import lookup
-from meshnode.routing.assign import model_matches
+from meshnode.discovery.tracker_client import lookup, tracker_models
+from meshnode.routing.assign import MIN_PREFIX, is_short_prefix, model_matches
 from meshnode.routing.choose import Candidate, choose_route
 from meshnode.transport.aiothread import AioRun, via_trio_asyncio
 from meshnode.transport.client import health
@@ -28,10 +29,12 @@ SETTLE = 0.5
 
 
 def matches(entry: PeerEntry, query: str) -> bool:
-    return model_matches(entry.capability.model_fingerprint, entry.capability.model_name, query)
+    cap = entry.capability
+    return model_matches(cap.model_fingerprint, cap.model_name, query, cap.model_file)
 
 
-def _covered(peers: list[PeerEntry]) -> bool:
+def covered(peers: list[PeerEntry]) -> bool:
+    """Whether these peers' ranges can tile every layer of their model (free sessions or not)."""
     if not peers:
         return False
     n = peers[0].capability.n_layer
@@ -61,11 +64,27 @@ async def candidates_of(table: PeerTable, query: str, timeout: float) -> list[Pe
     with trio.move_on_after(timeout):
         while True:
             peers = [p for p in table.live().values() if matches(p, query)]
-            if _covered(peers):
+            if covered(peers):
                 await trio.sleep(SETTLE)
                 break
             await table.changed.wait()
     return [p for p in table.live().values() if matches(p, query)]
+
+
+def seen_models(entries: Iterable[PeerEntry], tracked: Iterable[tuple[str, str]]) -> str:
+    """"name (fingerprint prefix…), ..." of the models ``entries`` serve and the tracker knows. Pure."""
+    models = {e.capability.model_fingerprint: e.capability.model_file or e.capability.model_name for e in entries}
+    for fp, name in tracked:
+        models.setdefault(fp, name)
+    return ", ".join(f"{name} ({fp[:MIN_PREFIX]}…)" for fp, name in sorted(models.items(), key=lambda kv: kv[1]))
+
+
+async def _tracker_models(url: str) -> list[tuple[str, str]]:
+    """(fingerprint, name) of every model the tracker knows; [] if it cannot say."""
+    try:
+        return await tracker_models(url)
+    except errors.MeshnodeError:
+        return []
 
 
 async def _poll_tracker(url: str, query: str, table: PeerTable) -> None:
@@ -102,6 +121,8 @@ async def discover(query: str, *, mdns_interface: str | None = None, tracker: st
     Peers are probed over gRPC through ``aio`` (``AioThread.run``; the default
     needs the caller to have opened a trio-asyncio loop).
     """
+    if is_short_prefix(query):
+        raise errors.InputError(f"--mesh {query!r}: a fingerprint prefix needs {MIN_PREFIX}+ hex digits")
     table = PeerTable()
     async with trio.open_nursery() as nursery:
         if mdns_interface:
@@ -111,10 +132,23 @@ async def discover(query: str, *, mdns_interface: str | None = None, tracker: st
         peers = await candidates_of(table, query, timeout)
         nursery.cancel_scope.cancel()
     if not peers:
-        raise errors.RouteError(f"no reachable node serves a model named {query!r} (looked for {timeout:.0f}s)")
+        seen = seen_models(table.live().values(), await _tracker_models(tracker) if tracker else [])
+        raise errors.RouteError(f"no reachable node serves a model named {query!r} (looked for {timeout:.0f}s); "
+                                f"models seen: {seen or 'none'}")
     fingerprints = {p.capability.model_fingerprint for p in peers}
     if len(fingerprints) > 1:
-        raise errors.RouteError(f"{query!r} names {len(fingerprints)} different models; give a fingerprint")
+        raise errors.RouteError(f"{query!r} names {len(fingerprints)} different models "
+                                f"({seen_models(peers, [])}): give more of a fingerprint")
+    return await choose_among(peers, aio, load=load)
+
+
+async def choose_among(peers: list[PeerEntry], aio: AioRun, *, load: dict[str, int] | None = None) -> Discovered:
+    """Measure ``peers`` (of one model) and choose the fastest route; the rest are its spares.
+
+    ``load`` maps endpoints to the sessions the caller already runs through
+    them. RouteError if the peers that answer do not cover the model;
+    CapacityError if they would, but without a free session on some span.
+    """
     measured: list[Candidate] = []
     async with trio.open_nursery() as nursery:
         async def one(p: PeerEntry) -> None:
@@ -124,8 +158,15 @@ async def discover(query: str, *, mdns_interface: str | None = None, tracker: st
 
         for p in peers:
             nursery.start_soon(one, p)
-    # ``load``: sessions this caller already placed, by endpoint (what find_route returns)
+    n_layer = peers[0].capability.n_layer
     by_node = {c.node_id: (load or {}).get(c.endpoint, 0) for c in measured}
-    route = choose_route(sorted(measured, key=lambda c: c.node_id), peers[0].capability.n_layer, load=by_node)
+    try:
+        route = choose_route(sorted(measured, key=lambda c: c.node_id), n_layer, load=by_node)
+    except errors.RouteError:
+        answering = {c.node_id for c in measured}
+        if covered([p for p in peers if p.node_id in answering]):
+            raise errors.CapacityError(f"every route of {peers[0].capability.model_name} is full: no free "
+                                       "session on some span; try again shortly") from None
+        raise
     chosen = [c.endpoint for c in route]
     return Discovered(chosen, sorted(c.endpoint for c in measured if c.endpoint not in chosen))

@@ -23,6 +23,9 @@ def translate(e: grpc.aio.AioRpcError, endpoint: str, what: str) -> errors.Meshn
         return errors.DeadlineError(f"{what} timed out", hop=endpoint)
     if code == grpc.StatusCode.UNAVAILABLE:
         return errors.PeerError(f"unreachable or not a gRPC server ({e.details()})", hop=endpoint)
+    typed, _, message = (e.details() or "").partition(": ")
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) and typed in errors.BY_CODE:
+        return errors.from_code(typed, message, hop=endpoint)  # the peer's typed refusal, e.g. of our input
     return errors.PeerError(f"{what} failed: {code.name} {e.details()}", hop=endpoint)
 
 
@@ -42,13 +45,31 @@ async def get_capability(endpoint: str, timeout: float = 5.0) -> pb.Capability:
 
 
 async def tokenize(endpoint: str, text: str, timeout: float = 10.0) -> list[int]:
+    return (await tokenize_with_bos(endpoint, text, timeout))[0]
+
+
+async def tokenize_with_bos(endpoint: str, text: str, timeout: float = 10.0) -> tuple[list[int], int]:
+    """The token ids of ``text`` (as llama.cpp tokenizes by default) and the vocabulary's BOS id (-1: none)."""
     async with open_channel(endpoint) as ch:
         try:
             reply = await pb_grpc.NodeStub(ch).Tokenize(
                 pb.TokenizeRequest(text=text, add_special=True, parse_special=True), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise translate(e, endpoint, "Tokenize") from e
-    return list(reply.tokens)
+    return list(reply.tokens), reply.bos_token
+
+
+async def tokenize_chat(endpoint: str, messages: list[tuple[str, str]],
+                        timeout: float = 10.0) -> tuple[list[int], int, list[str]]:
+    """``(role, content)`` messages rendered by the node's chat format and tokenized:
+    (tokens, the vocabulary's BOS id, the format's stop strings)."""
+    req = pb.TokenizeRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
+    async with open_channel(endpoint) as ch:
+        try:
+            reply = await pb_grpc.NodeStub(ch).Tokenize(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, endpoint, "Tokenize") from e
+    return list(reply.tokens), reply.bos_token, list(reply.stop)
 
 
 async def release(endpoint: str, session_id: str, auth: pb.SignedEnvelope, timeout: float = 2.0) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import socket
+
 import grpc
 import trio
 
@@ -11,15 +14,42 @@ from meshnode.session.hop import channel_options
 from meshnode.transport.aiothread import AioRun
 
 
-def split_hostport(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise InputError(f"--listen {listen!r} is not HOST:PORT")
+def split_hostport(text: str, flag: str = "--listen") -> tuple[str, int]:
+    """HOST:PORT (or [V6]:PORT) -> (host, port); InputError naming ``flag`` otherwise.
+
+    A port is required: grpc would quietly take 443 for a bare host.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InputError(f"{flag} {text!r} is not HOST:PORT (a port is required)")
     return host.strip("[]"), int(port)
 
 
+def check_listen(listen: str) -> None:
+    """InputError now, before a node spends seconds loading, if ``listen`` cannot be bound.
+
+    Binds and closes a plain socket with SO_REUSEADDR, as grpc's own bind does;
+    the server's bind later is still checked (a port taken in between).
+    """
+    host, port = split_hostport(listen)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise InputError(f"cannot listen on {listen}: {e.strerror}") from e
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            hint = ": another process holds the port; pick another --listen" if e.errno == errno.EADDRINUSE else ""
+            raise InputError(f"cannot listen on {listen}: {e.strerror}{hint}") from e
+
+
 async def _start(servicer: pb_grpc.NodeServicer, listen: str) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=channel_options())
+    # no SO_REUSEPORT (grpc's default on Linux): with it a second node on the same port would
+    # bind too, and the kernel would split connections between the two
+    server = grpc.aio.server(options=[*channel_options(), ("grpc.so_reuseport", 0)])
     pb_grpc.add_NodeServicer_to_server(servicer, server)
     try:
         port = server.add_insecure_port(listen)

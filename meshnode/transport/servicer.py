@@ -190,8 +190,19 @@ class NodeServicer(pb_grpc.NodeServicer):
         if vocab is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node's range carries no vocabulary")
         assert vocab is not None
-        return pb.TokenizeReply(tokens=vocab.tokenize(request.text, add_special=request.add_special,
-                                                      parse_special=request.parse_special))
+        if not request.messages:
+            return pb.TokenizeReply(tokens=vocab.tokenize(request.text, add_special=request.add_special,
+                                                          parse_special=request.parse_special), bos_token=vocab.bos)
+        try:
+            chat = vocab.chat_format().render([{"role": m.role, "content": m.content} for m in request.messages])
+        except errors.InputError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.code}: {e.message}")
+            raise AssertionError("unreachable") from e
+        except errors.MeshnodeError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.code}: {e.message}")
+            raise AssertionError("unreachable") from e
+        return pb.TokenizeReply(tokens=vocab.tokenize(chat.text, add_special=chat.add_bos, parse_special=True),
+                                bos_token=vocab.bos, stop=list(chat.stop))
 
     async def _authorize(self, context: Any, env: pb.SignedEnvelope, sid: str, action: str, work: str) -> None:
         """Only the session's initiator may release or cancel it (PERMISSION_DENIED otherwise)."""

@@ -39,8 +39,12 @@ def numerics_to_pb(c: ExecConfig) -> pb.Numerics:
 
 
 def numerics_key(n: pb.Numerics) -> tuple[tuple[str, int | bool], ...]:
+    """The settings that change numerics: a route's hops must agree on them.
+
+    ``n_ctx_per_session`` is not one of them (it bounds a session's length,
+    executor/context.py): hops may differ; a route's context is its smallest.
+    """
     return (
-        ("n_ctx_per_session", n.n_ctx_per_session),
         ("n_batch", n.n_batch),
         ("n_ubatch", n.n_ubatch),
         ("flash_attn", n.flash_attn),

@@ -1,0 +1,125 @@
+"""The tracker's prober: a bounded gRPC ``Health`` call to each verified registration, every few seconds.
+
+What it decides is pure and lives in tracker/liveness.py; this module does
+the I/O. Each round (every ``ProbeConfig.every`` seconds, on a fixed
+schedule) takes the registry's live entries, picks at most
+``max_per_round`` of them, least recently probed first, and starts one
+probe task per node. A round never waits for its probes: a node that is
+slow to answer holds only its own probe (at most one in flight per node,
+each bounded by ``timeout``), and every other node is probed on time.
+
+Only endpoints of registrations the tracker verified are probed, only in
+plain ``HOST:PORT`` form, each at most once per round; at most
+``max_in_flight`` probes run at once. The Health answer also carries the
+node's live counters, which the page shows when they are newer than the
+last heartbeat's.
+
+gRPC's asyncio API has no trio support: the probes run on an asyncio loop on
+a thread of its own (meshnode/transport/aiothread.py, the node's bridge), and
+results come back to trio, where the registry's ``ProbeBook`` is written.
+Cancelling ``run_prober`` cancels the probes in flight and stops that thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import trio
+
+from meshnode import errors
+from meshnode.transport.aiothread import AioRun, open_aio_thread
+from meshnode.transport.client import health
+from tracker.liveness import Probe, ProbeBook, Target, pick
+from tracker.registry import Registry
+
+log = logging.getLogger("meshnode.tracker.probe")
+
+#: seconds, beyond a probe's own gRPC deadline, before trio gives up on it (channel set-up, the bridge)
+SLACK = 1.0
+#: characters of a failure message kept for the page
+ERROR_CHARS = 160
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    #: seconds between the starts of two rounds
+    every: float = 2.0
+    #: the gRPC deadline of one Health call, in seconds
+    timeout: float = 1.5
+    #: probes running at once, over all rounds
+    max_in_flight: int = 32
+    #: nodes one round probes at most (the least recently probed first)
+    max_per_round: int = 256
+
+
+#: what gRPC's long UNAVAILABLE details mean, in the page's words (the first that occurs wins)
+_CAUSES = (("refused", "connection refused"), ("timed out", "connect timed out"), ("no route", "no route to host"),
+           ("unreachable", "network unreachable"), ("resolution", "name does not resolve"),
+           ("reset", "connection reset"), ("socket closed", "connection closed"))
+
+
+def summarize(e: errors.MeshnodeError, timeout: float) -> str:
+    """A failed probe's cause in a few words (gRPC's own message runs to hundreds of characters). Pure."""
+    if isinstance(e, errors.DeadlineError):
+        return f"no answer within {timeout:g} s"
+    if isinstance(e, errors.NotAMeshnodeError):
+        return "answers, but not as a meshnode"
+    low = e.message.lower()
+    for needle, cause in _CAUSES:
+        if needle in low:
+            return cause
+    return e.message[:ERROR_CHARS]
+
+
+async def probe_once(aio: AioRun, endpoint: str, timeout: float) -> Probe:
+    """One bounded Health call; any failure is a failed Probe, never an exception."""
+    at, t0 = time.time(), time.perf_counter()
+    try:
+        with trio.fail_after(timeout + SLACK):
+            reply = await aio(health, endpoint, timeout)
+    except errors.MeshnodeError as e:
+        return Probe(at, False, error=summarize(e, timeout), seconds=time.perf_counter() - t0)
+    except trio.TooSlowError:
+        return Probe(at, False, error=f"no answer within {timeout + SLACK:g} s", seconds=time.perf_counter() - t0)
+    except Exception as e:  # an endpoint is the node's claim: whatever it makes grpc raise, keep probing others
+        log.warning("probe of %s failed unexpectedly: %r", endpoint, e)
+        return Probe(at, False, error=repr(e)[:ERROR_CHARS], seconds=time.perf_counter() - t0)
+    return Probe(at, True, health=reply, seconds=time.perf_counter() - t0)
+
+
+async def _probe(book: ProbeBook, target: Target, aio: AioRun, timeout: float, busy: set[str]) -> None:
+    try:
+        probe = await probe_once(aio, target.endpoint, timeout)
+        book.record(target.node_id, target.endpoint, probe)
+        if not probe.ok and book.states[target.node_id].failures == book.fail_limit:
+            log.info("node %s at %s stopped answering: %s", target.node_id[:12], target.endpoint, probe.error)
+    finally:
+        busy.discard(target.node_id)
+
+
+def start_round(nursery: trio.Nursery, registry: Registry, aio: AioRun, busy: set[str], config: ProbeConfig) -> int:
+    """Start this round's probes in ``nursery``; returns how many were started."""
+    entries = registry.live(time.time())
+    registry.probes.keep(e.node_id for e in entries)
+    room = max(0, config.max_in_flight - len(busy))
+    candidates = [(e.node_id, e.advert.capability.endpoints[0]) for e in entries if e.advert.capability.endpoints]
+    targets = pick(candidates, registry.probes.states, busy, min(config.max_per_round, room))
+    for t in targets:
+        busy.add(t.node_id)
+        nursery.start_soon(_probe, registry.probes, t, aio, config.timeout, busy)
+    return len(targets)
+
+
+async def run_prober(registry: Registry, *, every: float = 2.0, config: ProbeConfig | None = None,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Probe the registry's nodes until cancelled (``config`` overrides ``every``)."""
+    config = config or ProbeConfig(every=every)
+    busy: set[str] = set()
+    async with open_aio_thread("meshnode-tracker-probe") as aio, trio.open_nursery() as nursery:
+        task_status.started()
+        while True:
+            deadline = trio.current_time() + config.every
+            start_round(nursery, registry, aio.run, busy, config)
+            await trio.sleep_until(deadline)
