@@ -10,6 +10,7 @@ routes, JSON, and the body caps each route needs (``read_body``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -122,10 +123,11 @@ async def read_body(request: Request, limit: int, timeout: float = 10.0) -> byte
     body = bytearray()
     try:
         with trio.fail_after(timeout):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise HTTPException(413, f"request body is over the {limit}-byte limit")
+            async with contextlib.aclosing(request.stream()) as chunks:  # closed at once when refused
+                async for chunk in chunks:
+                    body += chunk
+                    if len(body) > limit:
+                        raise HTTPException(413, f"request body is over the {limit}-byte limit")
     except trio.TooSlowError:
         raise HTTPException(408, f"request body not received within {timeout:g}s") from None
     except ClientDisconnect:

@@ -10,15 +10,13 @@ guards every value with a lock, so no hop between the two threads is needed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import ASGIApp
 
-from meshnode.httpserve import asgi_app
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
 
 #: step latency buckets, seconds
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -62,6 +60,11 @@ class NodeMetrics:
 
     def asgi(self) -> ASGIApp:
         """``GET /metrics``: the ASGI app the node's ``--metrics`` listener serves."""
+        from starlette.requests import Request  # the HTTP stack only for a node that serves metrics
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        from meshnode.httpserve import asgi_app
 
         async def scrape(request: Request) -> Response:
             body, content_type = self.render(request.headers.get("accept", ""))

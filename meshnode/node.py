@@ -25,7 +25,6 @@ from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
 from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
-from meshnode.httpserve import serve_asgi
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import attest
 from meshnode.proto import node_pb2 as pb
@@ -213,6 +212,8 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
             metrics_url = None
             if config.metrics:
                 mhost, mport = split_hostport(config.metrics)
+                from meshnode.httpserve import serve_asgi  # hypercorn + starlette cost ~9 MB: only when used
+
                 bound = await nursery.start(serve_asgi, servicer.metrics.asgi(), mhost, mport)
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)

@@ -358,3 +358,40 @@ def test_a_busy_port_is_a_one_line_error(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"meshnode-tracker: error: INVALID_ARGUMENT: cannot listen on 127.0.0.1:{port}: "
                                    "Address already in use")
+
+
+async def test_the_tracker_app_in_process_keeps_its_api_and_closes_what_it_refuses(tmp_path):
+    """The tracker's routes and error answers (in this process, so that filterwarnings=error also
+    sees any stream left unclosed when a body is refused)."""
+    from meshnode.httpserve import serve_asgi
+    from tracker.app import MAX_REGISTER_BODY, Tracker
+    from tracker.registry import Registry
+
+    registry = Registry(tmp_path / "t.sqlite", ttl=30)
+    try:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_asgi, Tracker(registry).asgi(), "127.0.0.1", 0)
+            url = f"http://127.0.0.1:{port}"
+            over = MAX_REGISTER_BODY + 1
+            chunked = (b"POST /api/register HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       + f"{over:x}\r\n".encode() + b"\0" * over + b"\r\n0\r\n\r\n")
+            answer = await _exchange(port, chunked)
+            assert answer.startswith(b"HTTP/1.1 413 ")
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"] == "INVALID_ARGUMENT"
+            for method, path in (("GET", "/nope"), ("PUT", "/api/status"), ("GET", "/api/register")):
+                status, body = await request(url + path, method)
+                assert (status, json.loads(body)) == (404, {"error": "NOT_FOUND",
+                                                            "message": f"no route {method} {path}"})
+            status, body = await request(url + "/api/register", "POST", b"garbage")
+            assert (status, json.loads(body)["error"]) == (400, "PAYLOAD_CORRUPT")
+            me = NodeIdentity.generate()
+            await register(url, _advert(me))
+            status, body = await request(url + "/api/status")
+            assert status == 200
+            assert [n["node_id"] for n in json.loads(body)["nodes"]] == [me.node_id]
+            status, body = await request(url + "/")
+            assert status == 200
+            assert b"<html" in body.lower()
+            nursery.cancel_scope.cancel()
+    finally:
+        registry.close()
