@@ -312,8 +312,8 @@ async def test_the_status_page_tells_the_truth_in_a_real_browser(tracker, node_f
 
     # a session: each hop's counters reach the page while it runs (the heartbeats are 10 s apart)
     gen = [sys.executable, "-m", "meshnode", "generate", "--peer", head.endpoint, "--peer", tail.endpoint,
-           "--prompt", "Write a long story about a dragon.", "--max-tokens", "400", "--temperature", "0.8",
-           "--seed", "3", "--json"]
+           "--prompt", "Once upon a time, a young dragon", "--max-tokens", "1500", "--temperature", "0.8",
+           "--seed", "3", "--json"]  # a story opening: this seed runs to the length (an instruction may end at once)
     async with initiator(gen, timeout=300) as run:
         shown = await _until(br, page, lambda s: all(float(s["rows"][ids[n.endpoint]].get("tokens_total", 0)) > 0
                                                  and float(s["rows"][ids[n.endpoint]].get("step_ms_mean", 0)) > 0
