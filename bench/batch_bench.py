@@ -216,7 +216,8 @@ def run_route(peers: list[str], ids: list[list[int]], sessions: list[int], n_tok
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.batch_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.batch_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file (default: the default model, pulled and verified)")
     ap.add_argument("--tokens", type=int, default=64, help="greedy decode steps per session per measurement")
     ap.add_argument("--runs", type=int, default=3, help="repetitions (median reported)")

@@ -55,7 +55,8 @@ def _run(cmd: list[str], victim: NodeProcess | None, kill_after: int) -> dict[st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--kill-after", type=int, default=8)

@@ -74,7 +74,7 @@ def chain(cuts: list[tuple[int, int]], n: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     ap.add_argument("--tokens", type=int, default=128)
     ns = ap.parse_args()
     whole = chain([(0, 30)], ns.tokens)

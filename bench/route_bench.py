@@ -198,7 +198,8 @@ def proc_status_mb(pid: int | str) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.route_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.route_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file (default: the default model, pulled and verified)")
     ap.add_argument("--tokens", type=int, default=128, help="greedy decode steps per measurement")
     ap.add_argument("--runs", type=int, default=3, help="repetitions (median reported)")

@@ -228,7 +228,7 @@ def node_report(i: int, layers: str, endpoint: str, boot: dict[str, float], samp
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.soak", description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
     ap.add_argument("--sessions", type=int, default=8, help="concurrent workers, each one session after another")
     ap.add_argument("--max-sessions", type=int, default=8, help="each node's KV sessions (default 8)")

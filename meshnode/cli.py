@@ -48,8 +48,11 @@ def _exec_config(ns: argparse.Namespace) -> ExecConfig:
     base = ExecConfig()
     ctx = ns.ctx_size or 0
     sessions = ns.max_sessions or base.max_sessions
-    if not 0 <= ctx or ctx * sessions >= 1 << 31:  # llama.cpp's n_ctx is a uint32 of all sessions' cells
-        raise errors.InputError(f"--ctx-size must be a number of tokens >= 1 (0 = the default), not {ctx}")
+    if sessions < 1:
+        raise errors.InputError(f"--max-sessions must be at least 1, not {sessions}")
+    if not 0 <= ctx < (1 << 31) // sessions:  # llama.cpp's n_ctx (all sessions' cells) is 32-bit
+        raise errors.InputError(f"--ctx-size must be a number of tokens from 1 to {(1 << 31) // sessions - 1} "
+                                f"(0 = the default), not {ctx}")
     return ExecConfig(
         n_ctx_per_session=ctx,
         max_sessions=sessions,
@@ -391,7 +394,8 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")
     p.add_argument("--model", help="without --peer: run this whole GGUF here")
     p.add_argument("--mesh", metavar="NAME_OR_FINGERPRINT",
-                   help="find a route for this model (general.name, or sha256 / a prefix of 8+ digits)")
+                   help="find a route for this model: its file name (SmolLM2-135M-Instruct), general.name, "
+                        "or sha256 / a prefix of 8+ hex digits; any case")
     p.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
     p.add_argument("--tracker", metavar="URL", help="with --mesh: look the model up on this tracker")
     p.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")

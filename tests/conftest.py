@@ -54,8 +54,11 @@ class Reference:
     logits: list[np.ndarray]
 
 
-def llama_reference(model: Path, prompt: str, n: int, n_ctx: int = 512) -> Reference:
-    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings (``n_ctx``: its default)."""
+def llama_reference(model: Path, prompt: str, n: int, n_ctx: int = 512, *, via_generate: bool = True) -> Reference:
+    """Greedy tokens of llama-cpp-python's ``Llama`` with its default context settings (``n_ctx``: its default).
+
+    ``via_generate``: check them once more through ``Llama.generate`` (a second prefill of the prompt).
+    """
     llm = llama_cpp.Llama(str(model), n_ctx=n_ctx, verbose=False)
     try:
         toks = llm.tokenize(prompt.encode(), special=True)
@@ -70,14 +73,14 @@ def llama_reference(model: Path, prompt: str, n: int, n_ctx: int = 512) -> Refer
                 break  # as in Llama.create_completion: the end-of-generation token is not part of the tokens
             out.append(tok)
             llm.eval([tok])
-        # the same tokens through Llama's own sampling loop (greedy = temp 0)
-        llm.reset()
-        via_generate: list[int] = []
-        for t in llm.generate(toks, temp=0.0, repeat_penalty=1.0):
-            if len(via_generate) == len(out):
-                break
-            via_generate.append(t)
-        assert via_generate == out
+        if via_generate:  # the same tokens through Llama's own sampling loop (greedy = temp 0)
+            llm.reset()
+            again: list[int] = []
+            for t in llm.generate(toks, temp=0.0, repeat_penalty=1.0):
+                if len(again) == len(out):
+                    break
+                again.append(t)
+            assert again == out
         return Reference(toks, out, logits)
     finally:
         llm.close()

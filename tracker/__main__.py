@@ -24,7 +24,8 @@ from tracker.registry import Registry
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshnode-tracker", description="registry and status page of a meshnode mesh")
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="meshnode-tracker", description="registry and status page of a meshnode mesh")
     ap.add_argument("--listen", default="127.0.0.1:8700", help="HOST:PORT (port 0 = any free port)")
     ap.add_argument("--db", help="SQLite file (default: <state dir>/tracker.sqlite)")
     ap.add_argument("--ttl", type=float, default=30.0, help="seconds an entry lives without a heartbeat")

@@ -52,7 +52,7 @@ def drift() -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     ap.add_argument("--check", action="store_true")
     ns = ap.parse_args()
     if ns.check:
