@@ -50,7 +50,7 @@ def model() -> Path:
 class Reference:
     prompt_tokens: list[int]
     tokens: list[int]
-    #: logits of the last prompt token, then of each generated token (and of the end-of-generation one)
+    #: the logits each token was sampled from (the last prompt token's, then each generated token's)
     logits: list[np.ndarray]
 
 
@@ -67,11 +67,11 @@ def llama_reference(model: Path, prompt: str, n: int, n_ctx: int = 512, *, via_g
         llm.eval(toks)
         while len(out) < n:
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
-            logits.append(row)
             tok = int(np.argmax(row))
             if llm.token_eos() == tok:
                 break  # as in Llama.create_completion: the end-of-generation token is not part of the tokens
             out.append(tok)
+            logits.append(row)
             llm.eval([tok])
         if via_generate:  # the same tokens through Llama's own sampling loop (greedy = temp 0)
             llm.reset()

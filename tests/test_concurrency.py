@@ -90,6 +90,8 @@ class Outcome:
     error_hop: str | None = None
     #: a Generate's final result said ``last``
     last_flag: bool = False
+    #: steps it sampled (its tokens, plus the end-of-generation token, which is not one of them)
+    n_sampled: int = 0
 
 
 def _logits(result: pb.StepResult) -> np.ndarray:
@@ -99,7 +101,7 @@ def _logits(result: pb.StepResult) -> np.ndarray:
 async def _solo(peers: list[str], prompt: str, ident: NodeIdentity, *, delegate: bool = True) -> Outcome:
     cfg = GenerateConfig(prompt=prompt, max_tokens=N_TOKENS, return_logits=True, delegate=delegate)
     r: GenerationResult = await generate(peers, cfg, ident)
-    return Outcome(r.tokens, r.logits, r.prompt_tokens, "complete")
+    return Outcome(r.tokens, r.logits, r.prompt_tokens, "complete", n_sampled=len(r.tokens) + (r.stop_reason == "eog"))
 
 
 async def _interrupted(peers: list[str], caps: list[pb.Capability], prompt: str, ident: NodeIdentity,
@@ -244,8 +246,8 @@ async def test_eight_concurrent_sessions_batch_and_each_equals_its_solo_run(
         assert np.array_equal(a, b)
 
     # every step of every session ran exactly once on each hop, and the hops batched them
-    n_results = sum(len(o.tokens) for o in concurrent.values())
-    n_positions = sum(len(o.prompt_tokens) + len(o.tokens) - 1 for o in concurrent.values())
+    n_results = sum(o.n_sampled or len(o.tokens) for o in concurrent.values())
+    n_positions = sum(len(o.prompt_tokens) + (o.n_sampled or len(o.tokens)) - 1 for o in concurrent.values())
     for endpoint, b, a in zip(peers, before, after, strict=True):
         d = _delta(a, b)
         assert d["steps_total"] == n_results, (endpoint, d)

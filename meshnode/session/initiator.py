@@ -100,6 +100,7 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     route: list[str]
+    #: with return_logits: the logits each token was sampled from, one row per token
     logits: list[np.ndarray] = field(default_factory=list)
     #: wire bytes received per hop per decoded token (activation payloads)
     bytes_per_token: dict[str, float] = field(default_factory=dict)
@@ -479,7 +480,7 @@ class _Run:
         for f in self.failovers:
             if f.seconds_to_next_token is None:
                 f.seconds_to_next_token = now - f.detected_at
-        if self.cfg.return_logits:
+        if self.cfg.return_logits and not result.end_of_generation:  # one row per returned token
             self.logits.append(decode_bundle(result.logits, n_cols=result.logits.shape[1]
                                              if result.logits.shape else 0)[0])
         self.rs.sampled.append(result.token)
