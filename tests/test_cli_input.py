@@ -73,8 +73,8 @@ def test_file_names_and_short_prefixes():
 ])
 def test_abbreviated_flags_are_refused(model, argv):
     line = one_error_line(cli(*argv, "--model", str(model)))
-    # "--prom hi" leaves --prompt missing and "--lay" --layers; the others are unknown flags
-    assert "unrecognized arguments" in line or "arguments are required" in line
+    # "--prom hi" leaves --prompt (or --chat) missing and "--lay" --layers; the others are unknown flags
+    assert "unrecognized arguments" in line or "arguments are required" in line or "--chat is required" in line
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--peer", "localhost"), ("--peer", "127.0.0.1:"),
