@@ -163,6 +163,9 @@ class Gateway:
                 send.send_nowait(("done", result))
             except errors.MeshnodeError as e:
                 send.send_nowait(("error", e))
+            except Exception as e:  # a bug of ours: this request gets a 500, the gateway keeps serving
+                log.exception("a request failed inside the gateway")
+                send.send_nowait(("error", errors.MeshnodeError(f"internal error: {e!r}")))
 
     async def _whole(self, request: Request, answer: schema.Answer, first: Event,
                      events: trio.MemoryReceiveChannel[Event], scope: trio.CancelScope) -> Response:
