@@ -8,12 +8,16 @@ it, ~0.1 s for the default model's halves.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from pathlib import Path
 from typing import Any
 
 from meshnode.errors import IntegrityError
-from meshnode.gguf.slicer import RangeArtifact
+from meshnode.gguf.slicer import RangeArtifact, sha256_at
+
+
+def _truncated(path: Path, name: str) -> IntegrityError:
+    return IntegrityError(f"{path} ended inside tensor {name}")
 
 
 def _check_file(path: Path, tensors: dict[str, dict[str, Any]]) -> None:
@@ -26,18 +30,10 @@ def _check_file(path: Path, tensors: dict[str, dict[str, Any]]) -> None:
             off, n = int(info["offset"]), int(info["n_bytes"])
             if off + n > size:
                 raise IntegrityError(f"{path} is shorter than its manifest: tensor {name} ends past byte {size}")
-            fh.seek(off)
-            h = hashlib.sha256()
-            left = n
-            while left:
-                got = fh.readinto(buf[: min(left, len(buf))])
-                if not got:
-                    raise IntegrityError(f"{path} ended inside tensor {name}")
-                h.update(buf[:got])
-                left -= got
-            if h.hexdigest() != info["sha256"]:
+            digest = sha256_at(fh, off, n, buf, functools.partial(_truncated, path, name))
+            if digest != info["sha256"]:
                 raise IntegrityError(
-                    f"tensor {name} in {path} does not match its manifest (sha256 {h.hexdigest()[:16]}…, "
+                    f"tensor {name} in {path} does not match its manifest (sha256 {digest[:16]}…, "
                     f"manifest {str(info['sha256'])[:16]}…): refusing to serve this range"
                 )
 

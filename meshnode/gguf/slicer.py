@@ -219,13 +219,17 @@ def _write_vocab(path: Path, src: GGUFMeta, arch: str, out: Path, progress: Prog
     _finish(writer, progress, "the head's vocabulary")
 
 
-def _sha256_at(fh: Any, offset: int, n: int, buf: memoryview) -> str:
+def sha256_at(fh: Any, offset: int, n: int, buf: memoryview,
+              truncated: Callable[[], Exception] | None = None) -> str:
+    """sha256 of ``n`` bytes of ``fh`` from ``offset``, read through ``buf`` (one reused buffer).
+
+    ``truncated()`` is raised if the file ends first (default: ModelFormatError)."""
     h = hashlib.sha256()
     fh.seek(offset)
     while n:
         got = fh.readinto(buf[: min(n, len(buf))])
         if not got:
-            raise ModelFormatError(f"{fh.name} ended inside a tensor")
+            raise truncated() if truncated else ModelFormatError(f"{fh.name} ended inside a tensor")
         h.update(buf[:got])
         n -= got
     return h.hexdigest()
@@ -245,7 +249,7 @@ def tensor_table(path: Path) -> dict[str, dict[str, Any]]:
             t.name: {
                 "type": t.type.name,
                 "shape": list(t.shape),
-                "sha256": _sha256_at(fh, t.offset, t.n_bytes, buf),
+                "sha256": sha256_at(fh, t.offset, t.n_bytes, buf),
                 "offset": t.offset,
                 "n_bytes": t.n_bytes,
             }
