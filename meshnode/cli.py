@@ -144,7 +144,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
-                     metrics=ns.metrics, api=ns.api, api_key=api_config(ns.api or "127.0.0.1:0", ns.api_key).api_key)
+                     metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key))
     if cfg.api:
         from meshnode.api.run import check_exposure
 
@@ -346,13 +346,20 @@ def cmd_status(ns: argparse.Namespace) -> int:
     return 0
 
 
-def api_config(listen: str, api_key: str | None) -> Any:
-    """The API's settings from flags; the key may come from $MESHNODE_API_KEY (not visible in ps)."""
+def api_key_of(api_key: str | None) -> str | None:
+    """--api-key, else $MESHNODE_API_KEY (not visible in ps), else None. Without importing meshnode.api:
+    that package brings starlette, hypercorn and zeroconf (7.7 MB of a node's RSS), which a node without --api
+    never uses."""
     import os
 
+    return api_key or os.environ.get("MESHNODE_API_KEY") or None
+
+
+def api_config(listen: str, api_key: str | None) -> Any:
+    """The API's settings from flags; the key may come from $MESHNODE_API_KEY (not visible in ps)."""
     from meshnode.api import ApiConfig
 
-    return ApiConfig(listen=listen, api_key=api_key or os.environ.get("MESHNODE_API_KEY") or None)
+    return ApiConfig(listen=listen, api_key=api_key_of(api_key))
 
 
 def cmd_api(ns: argparse.Namespace) -> int:
