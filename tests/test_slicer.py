@@ -11,7 +11,7 @@ import pytest
 from meshnode import errors
 from meshnode.gguf import ensure_range
 from meshnode.gguf.model import fingerprint
-from meshnode.gguf.slicer import Role, range_digest, tensor_sha256
+from meshnode.gguf.slicer import SLICER_VERSION, Role, range_digest, tensor_sha256
 from meshnode.models import DEFAULT_MODEL
 
 
@@ -53,8 +53,13 @@ def test_manifest_binds_source_range_and_every_tensor(model):
     for name, t in out.items():
         assert m["tensors"][name]["sha256"] == tensor_sha256(t)
     assert m["range_digest"] == range_digest(m["tensors"])
-    # the tail keeps the full vocabulary for its lm_head (tied to token_embd)
+    # the tail keeps the full vocabulary for its lm_head (tied to token_embd): the source's own
+    # token_embd, bytes unchanged (only an untied model's tail carries output.weight there instead)
     assert out["token_embd.weight"].shape.tolist() == [576, 49152]
+    assert "output.weight" not in out
+    assert tensor_sha256(out["token_embd.weight"]) == tensor_sha256(_tensors(model)["token_embd.weight"])
+    assert m["token_embd_is_output"] is False
+    assert art.dir.name == f"15-30.s{SLICER_VERSION}"
 
 
 def test_head_carries_its_token_table_unchanged(model):

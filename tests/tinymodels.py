@@ -31,7 +31,11 @@ _QTYPES = {
     "F32": gguf.GGMLQuantizationType.F32,
     "F16": gguf.GGMLQuantizationType.F16,
     "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+    # repacked for llama.cpp's CPU_REPACK matmul on AVX2 (a 2D matrix of a multiple of 8 rows)
+    "Q4_0": gguf.GGMLQuantizationType.Q4_0,
 }
+#: general.file_type (llama_ftype) of a file whose matrices are of this type
+_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}
 
 
 Field = tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]
@@ -108,6 +112,7 @@ def make_tiny_model(
     sliding_window: int = 8,
     swa_pattern: int | Sequence[bool] | None = None,
     tied: bool | None = None,
+    output_type: str | None = None,
     extra_kv: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a small random-weight GGUF of ``arch`` that llama.cpp loads and runs.
@@ -123,7 +128,8 @@ def make_tiny_model(
     or explicit per-layer flags); other archs get no window unless ``extra_kv``
     adds one. ``extra_kv`` adds or replaces metadata keys (bool, int as
     uint32, float as float32, str, or a list). ``tied`` (default: all but
-    mistral) leaves out ``output.weight`` so the lm_head is ``token_embd``.
+    mistral) leaves out ``output.weight`` so the lm_head is ``token_embd``;
+    an untied ``output.weight`` is of ``output_type`` (default ``weight_type``).
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; one of {ARCHS}")
@@ -172,7 +178,7 @@ def make_tiny_model(
             if len(swa_pattern) != n_layer:
                 raise ValueError("swa_pattern needs one flag per layer")
             w.add_array(f"{a}.attention.sliding_window_pattern", [bool(x) for x in swa_pattern])
-    w.add_uint32("general.file_type", 0 if weight_type == "F32" else 7 if weight_type == "Q8_0" else 1)
+    w.add_uint32("general.file_type", _FTYPES[weight_type])
     w.add_uint32("general.quantization_version", 2)
     for key, value, vtype, sub in tok:
         w.add_key_value(key, value, vtype, sub)
@@ -204,7 +210,7 @@ def make_tiny_model(
     add("token_embd.weight", rng.standard_normal((n_vocab, n_embd), dtype=np.float32), token_embd_type)
     add("output_norm.weight", norm(n_embd), "F32")
     if not tied:
-        add("output.weight", weight(n_vocab, n_embd), weight_type)
+        add("output.weight", weight(n_vocab, n_embd), output_type or weight_type)
     for i in range(n_layer):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", norm(n_embd), "F32")

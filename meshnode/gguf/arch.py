@@ -16,6 +16,17 @@ index or on the input arriving as token ids. What each supported graph does
   picks its attention scale from its layer count (62), which a slice cannot
   reproduce: refused.
 
+All four load ``output.weight`` as optional and, when it is absent, take
+``token_embd`` as the lm_head (``load_arch_tensors``: ``create_tensor(...
+TOKEN_EMBD ..., TENSOR_DUPLICATED)``). The loader then places that
+duplicate as the output tensor it stands for (``llama_model_loader::
+create_tensor`` looks it up as ``LLM_TENSOR_OUTPUT``: the output layer's
+buffer list, ``GGML_OP_MUL_MAT``), so it gets the buffer type, and so the
+matmul kernel (e.g. CPU_REPACK for Q4_0 on AVX2), that a real
+``output.weight`` of the same type and shape gets. A tail of an untied model
+therefore carries its output matrix as its ``token_embd`` and no second
+vocabulary-sized matrix (``output_falls_back_to_token_embd``; slicer.py).
+
 Everything else is refused with the reason, never served approximately.
 """
 
@@ -37,17 +48,23 @@ class ArchPolicy:
     swa_pattern: bool
     #: layer counts whose whole model uses numerics a slice cannot reproduce
     layer_count_dependent: frozenset[int] = frozenset()
+    #: without output.weight the loader takes token_embd as the lm_head, placed as the output tensor
+    output_falls_back_to_token_embd: bool = False
 
 
 POLICIES: dict[str, ArchPolicy] = {
-    "llama": ArchPolicy("llama", head_scales_by_sqrt_embd=False, swa_pattern=False),
-    "qwen2": ArchPolicy("qwen2", head_scales_by_sqrt_embd=False, swa_pattern=False),
-    "qwen3": ArchPolicy("qwen3", head_scales_by_sqrt_embd=False, swa_pattern=False),
+    "llama": ArchPolicy("llama", head_scales_by_sqrt_embd=False, swa_pattern=False,
+                        output_falls_back_to_token_embd=True),
+    "qwen2": ArchPolicy("qwen2", head_scales_by_sqrt_embd=False, swa_pattern=False,
+                        output_falls_back_to_token_embd=True),
+    "qwen3": ArchPolicy("qwen3", head_scales_by_sqrt_embd=False, swa_pattern=False,
+                        output_falls_back_to_token_embd=True),
     "gemma3": ArchPolicy(
         "gemma3",
         head_scales_by_sqrt_embd=True,
         swa_pattern=True,
         layer_count_dependent=frozenset({62}),
+        output_falls_back_to_token_embd=True,
     ),
 }
 

@@ -1,6 +1,8 @@
 """Cut a layer range [a, b) out of a GGUF without changing any tensor's bytes.
 
-The artifact of a range lives in ``<cache>/ranges/<fingerprint>/<a>-<b>/``:
+The artifact of a range lives in ``<cache>/ranges/<fingerprint>/<a>-<b>.s<SLICER_VERSION>/``
+(a cut of another slicer version is another directory: never mistaken for
+this one's, never overwritten by it):
 
 * ``range.gguf``  the layers, renumbered ``blk.0 ..``, with
   ``{arch}.block_count = b - a`` and every per-layer array hyperparameter
@@ -10,14 +12,24 @@ The artifact of a range lives in ``<cache>/ranges/<fingerprint>/<a>-<b>/``:
   vocabulary also shrinks the logits buffer llama.cpp allocates per output
   row. No ``output.weight``: a non-tail range never computes the lm_head
   (the residual is captured before it, see native/capture.c).
-  A tail carries the full vocabulary, ``token_embd``/``output`` and
-  ``output_norm``.
+  A tail carries the full vocabulary, ``output_norm`` and one
+  vocabulary-sized matrix, its lm_head, as ``token_embd``: the source's
+  ``token_embd`` if the model is tied (no ``output.weight``), else the
+  source's ``output.weight`` bytes and type under the name ``token_embd``,
+  and no ``output.weight``. The tail's input is a residual, so llama.cpp never
+  reads its token rows (``build_inp_embd`` selects the embeddings branch), and
+  without ``output.weight`` its loader takes ``token_embd`` as the lm_head,
+  placed as the output tensor would be: the same matrix through the same
+  kernel, one vocabulary-sized matrix fewer to map (arch.py,
+  ``output_falls_back_to_token_embd``; ``ties_output`` says when).
 * ``vocab.gguf`` (head only) the source's metadata and its ``token_embd``
   tensor, unchanged: the head tokenizes with it (llama.cpp, vocab only) and
   looks token rows up in it itself, feeding embeddings to layer 0.
 * ``manifest.json`` the source fingerprint (sha256 of the source file), the
-  range, and the sha256 of every tensor in the slice, plus a range digest
-  over them all. Written last: a directory with a manifest is complete, so
+  range, and the sha256 of every tensor in the slice (as named in
+  ``range.gguf``), plus a range digest over them all; ``token_embd_is_output``
+  says whether the tail's ``token_embd`` holds the source's ``output.weight``.
+  Written last: a directory with a manifest is complete, so
   work already done is not redone.
 
 The whole model [0, n_layer) is not copied: its artifact is the source file.
@@ -39,7 +51,7 @@ import gguf
 import numpy as np
 
 from meshnode.errors import ModelFormatError
-from meshnode.gguf.arch import check_cut, swa_layers
+from meshnode.gguf.arch import POLICIES, check_cut, swa_layers
 from meshnode.gguf.meta import GGUFMeta, TensorInfo, read_meta, tensor_data
 from meshnode.gguf.model import ModelInfo, check_file, fingerprint, inspect_model
 from meshnode.paths import cache_dir
@@ -48,8 +60,16 @@ from meshnode.paths import cache_dir
 Progress = Callable[[str, int, int], None]
 
 MANIFEST_FORMAT = "meshnode-range/1"
-#: bump when the slicer's output changes, so stale artifacts are rebuilt
-SLICER_VERSION = 3
+#: bump when the slicer's output changes, so stale artifacts are rebuilt (it is part of the
+#: artifact's directory name). 4: an untied model's tail carries output.weight as its token_embd
+SLICER_VERSION = 4
+
+#: output.* tensors llama.cpp still reads beside a token_embd that stands in for output.weight
+#: (qwen2's optional output.bias); any other (NVFP4's output.scale / output.input_scale) needs a
+#: real output tensor: llama_model::load_tensors asserts a tied NVFP4 output has no scales
+_OUTPUT_KEPT_WHEN_TIED = frozenset({"output.weight", "output.bias"})
+#: per-tensor activation precision, by tensor name (llama_prec_policy::load)
+_TENSOR_PREC_KEY = "general.tensor_extra.name"
 
 
 class Role(enum.StrEnum):
@@ -119,6 +139,27 @@ def range_digest(tensors: dict[str, dict[str, Any]]) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
+def ties_output(src: GGUFMeta, arch: str) -> bool:
+    """Whether a tail of ``src`` carries ``output.weight``'s bytes as its ``token_embd`` (and no ``output.weight``).
+
+    Only for an untied model (it has ``output.weight``) of an architecture
+    whose loader falls back to ``token_embd`` for the lm_head (arch.py), with
+    ``output.weight`` of ``token_embd``'s shape; not when anything else refers
+    to the output tensor: NVFP4 scale tensors (``output.scale``, ...) or a
+    per-tensor precision table by name (``general.tensor_extra.name``).
+    """
+    policy = POLICIES.get(arch)
+    if policy is None or not policy.output_falls_back_to_token_embd:
+        return False
+    by_name = {t.name: t for t in src.tensors}
+    out, emb = by_name.get("output.weight"), by_name.get("token_embd.weight")
+    if out is None or emb is None or out.shape != emb.shape:
+        return False
+    if out.type == gguf.GGMLQuantizationType.NVFP4 or _TENSOR_PREC_KEY in src.fields:
+        return False
+    return not any(n.startswith("output.") and n not in _OUTPUT_KEPT_WHEN_TIED for n in by_name)
+
+
 def _copy_kv(writer: gguf.GGUFWriter, src: GGUFMeta, skip: Iterable[str]) -> None:
     skipped = set(skip) | {"general.architecture"}
     for key, value in src.fields.items():
@@ -146,10 +187,12 @@ def _renamed(name: str, start: int, end: int) -> str | None:
 
 
 def _write_range(path: Path, src: GGUFMeta, arch: str, n_layer: int,
-                 start: int, end: int, role: Role, out: Path, progress: Progress) -> None:
+                 start: int, end: int, role: Role, out: Path, progress: Progress) -> bool:
+    """Write the range file; True if its token_embd holds the source's output.weight (``ties_output``)."""
     meta = src.fields
     writer = gguf.GGUFWriter(out, arch)
     tiny_vocab = role in (Role.HEAD, Role.MIDDLE)
+    tie = role is Role.TAIL and ties_output(src, arch)
     per_layer = {
         k for k, v in meta.items()
         if k.startswith(f"{arch}.") and isinstance(v, list) and len(v) == n_layer
@@ -177,17 +220,22 @@ def _write_range(path: Path, src: GGUFMeta, arch: str, n_layer: int,
         writer.add_string("tokenizer.ggml.model", "none")
         writer.add_uint32(f"{arch}.vocab_size", 1)
     n_embd = int(meta[f"{arch}.embedding_length"])
+    output = next((t for t in src.tensors if t.name == "output.weight"), None)
     for t in src.tensors:
         name = _renamed(t.name, start, end)
         if name is None:
             continue
         if tiny_vocab and name == "token_embd.weight":
             writer.add_tensor(name, np.zeros((1, n_embd), dtype=np.float32))
-        elif tiny_vocab and name == "output.weight":
+        elif (tiny_vocab or tie) and name == "output.weight":
             continue
+        elif tie and name == "token_embd.weight":
+            assert output is not None
+            _add_raw(writer, path, name, output)  # the lm_head, under the name llama.cpp falls back to
         else:
             _add_raw(writer, path, name, t)
     _finish(writer, progress, f"layers {start}:{end}")
+    return tie
 
 
 def _finish(writer: gguf.GGUFWriter, progress: Progress, what: str) -> None:
@@ -258,7 +306,8 @@ def tensor_table(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def artifact_dir(fp: str, start: int, end: int) -> Path:
-    return cache_dir() / "ranges" / fp[:32] / f"{start}-{end}"
+    """Where [start, end) of the source with fingerprint ``fp`` is cut, by this slicer version."""
+    return cache_dir() / "ranges" / fp[:32] / f"{start}-{end}.s{SLICER_VERSION}"
 
 
 def _load(dir_: Path, source: Path) -> RangeArtifact | None:
@@ -297,7 +346,7 @@ def whole_model(source: Path) -> RangeArtifact:
         "format": MANIFEST_FORMAT, "slicer": SLICER_VERSION, "range": [0, info.n_layer], "role": Role.WHOLE.value,
         "source": {"fingerprint": "", "name": info.name, "arch": info.arch, "n_layer": info.n_layer,
                    "n_embd": info.n_embd, "file": str(source.resolve())},
-        "tensors": {}, "range_digest": "", "vocab_tensors": {},
+        "tensors": {}, "range_digest": "", "vocab_tensors": {}, "token_embd_is_output": False,
     }
     return RangeArtifact(source.parent, source, None, manifest)
 
@@ -330,17 +379,19 @@ def _cut(source: Path, start: int, end: int, progress: Progress) -> RangeArtifac
     dir_ = artifact_dir(fp, start, end)
     role = role_of(start, end, info.n_layer)
     dir_.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{start}-{end}.", dir=dir_.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dir_.name}.", dir=dir_.parent))
     try:
         files: dict[str, Path] = {}
+        tied = False
         if role is not Role.WHOLE:
-            _write_range(source, meta, info.arch, info.n_layer, start, end, role, tmp / "range.gguf", progress)
+            tied = _write_range(source, meta, info.arch, info.n_layer, start, end, role, tmp / "range.gguf",
+                                progress)
             files["range.gguf"] = tmp / "range.gguf"
         if role is Role.HEAD:
             _write_vocab(source, meta, info.arch, tmp / "vocab.gguf", progress)
             files["vocab.gguf"] = tmp / "vocab.gguf"
         progress("hashing tensors", 0, 1)
-        manifest = _manifest(source, info, fp, start, end, role, files)
+        manifest = _manifest(source, info, fp, start, end, role, files, tied)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if dir_.exists():
             shutil.rmtree(dir_)
@@ -354,7 +405,7 @@ def _cut(source: Path, start: int, end: int, progress: Progress) -> RangeArtifac
 
 
 def _manifest(source: Path, info: ModelInfo, fp: str, start: int, end: int, role: Role,
-              files: dict[str, Path]) -> dict[str, Any]:
+              files: dict[str, Path], tied: bool) -> dict[str, Any]:
     tensors = tensor_table(files.get("range.gguf", source))
     return {
         "format": MANIFEST_FORMAT,
@@ -372,4 +423,6 @@ def _manifest(source: Path, info: ModelInfo, fp: str, start: int, end: int, role
         "tensors": tensors,
         "range_digest": range_digest(tensors),
         "vocab_tensors": tensor_table(files["vocab.gguf"]) if "vocab.gguf" in files else {},
+        # the tail's token_embd.weight is the source's output.weight (its bytes and type)
+        "token_embd_is_output": tied,
     }
