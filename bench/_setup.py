@@ -11,7 +11,7 @@ from pathlib import Path
 
 def thread_counts(ns: argparse.Namespace) -> tuple[int, int]:
     """``--threads`` / ``--threads-batch``, defaulting as llama-cpp-python does (cores/2, cores)."""
-    cpus = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0)) or 1
     return ns.threads or max(cpus // 2, 1), ns.threads_batch or cpus
 
 

@@ -69,8 +69,10 @@ def _add_node_choice(p: argparse.ArgumentParser, which: str) -> None:
 
 
 def _add_exec_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, help="llama.cpp threads for decode (default: cores/2)")
-    p.add_argument("--threads-batch", type=int, help="llama.cpp threads for prefill (default: cores)")
+    p.add_argument("--threads", type=int,
+                   help="llama.cpp threads for decode (default: half the cores this process may use)")
+    p.add_argument("--threads-batch", type=int,
+                   help="llama.cpp threads for prefill (default: the cores this process may use)")
     p.add_argument("--max-sessions", type=int, help="concurrent sessions (KV sequences), default 4")
     p.add_argument("--ctx-size", type=int, metavar="TOKENS",
                    help="context of each session, prompt + output (default: the model's training context, "
@@ -124,6 +126,9 @@ def _node_settings(ns: argparse.Namespace) -> argparse.Namespace:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from meshnode.executor import openmp
+
+    openmp.configure()  # before llama.cpp loads: libgomp reads its environment once
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.node import NodeConfig, run_node
 

@@ -267,8 +267,12 @@ class RangeExecutor:
         left after it, is handed to the worker thread, which drains the queue.
         """
         # never on a trio thread (a trio-asyncio loop runs there): trio's loop is never blocked
-        inline = (self.config.inline_decode and not trio.lowlevel.in_trio_run()
-                  and all(self._rows(j.chunk) == 1 for j in self._queue))
+        # and only single-threaded: a llama_decode on more threads starts an OpenMP team on the calling
+        # thread, and two threads that each own a team (this one and the worker) make libgomp count more
+        # threads than cores and cut its barrier spin to ~100 rounds, so every barrier of every graph
+        # sleeps and wakes (measured: 140 context switches per token, decode at a third of its speed)
+        inline = (self.config.inline_decode and self.config.n_threads == 1
+                  and not trio.lowlevel.in_trio_run() and all(self._rows(j.chunk) == 1 for j in self._queue))
         if inline and self._ctx.acquire(blocking=False):
             try:
                 self._run_one()

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def _cpus() -> int:
-    return os.cpu_count() or 1
+    """The logical CPUs this process may run on (a cpuset or ``taskset`` narrows them)."""
+    return len(os.sched_getaffinity(0)) or 1
+
+
+def _cores() -> int:
+    """The physical cores among them: SMT siblings share one core's arithmetic units, so decode, which
+    is bound by them and by memory, gains nothing from a second thread per core (llama.cpp's own default
+    counts physical cores too)."""
+    seen = set()
+    for cpu in os.sched_getaffinity(0):
+        try:
+            topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            seen.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            seen.add((str(cpu), ""))
+    return len(seen) or 1
 
 
 @dataclass(frozen=True)
@@ -23,15 +39,19 @@ class ExecConfig:
     n_ubatch: int = 512
     #: concurrent sessions (KV sequences) this executor holds
     max_sessions: int = 4
-    #: threads for single-token decode (Llama's default: cpu_count // 2)
-    n_threads: int = max(_cpus() // 2, 1)
-    #: threads for prompt processing (Llama's default: cpu_count)
+    #: threads for single-token decode: every physical core this process may use. A hop computes alone
+    #: (the others wait for its residual), so it should have all of them (Llama's default, cpu_count // 2,
+    #: left half of a 2-vCPU machine idle: 59 vs 88 tok/s, docs/performance.md)
+    n_threads: int = _cores()
+    #: threads for prompt processing (Llama's default: cpu_count; here the CPUs this process may use)
     n_threads_batch: int = _cpus()
     #: flash attention: off, as Llama's default. Changes greedy tokens: equal on every hop.
     flash_attn: bool = False
     #: run batches of single-token decode steps on the calling asyncio loop's thread instead of handing
     #: them to the llama.cpp worker thread (docs/architecture.md, "executor placement"): two thread
-    #: wake-ups less per step and hop. Prompt chunks always go to the worker thread.
+    #: wake-ups less per step and hop. Prompt chunks always go to the worker thread. Only with
+    #: ``n_threads == 1``: a decode on more threads would make the loop's thread a second OpenMP master,
+    #: and libgomp, counting more threads than cores, then sleeps at every barrier (docs/performance.md).
     inline_decode: bool = True
 
     def numerics(self) -> dict[str, int | bool]:

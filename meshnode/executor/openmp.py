@@ -1,0 +1,43 @@
+"""How a node's llama.cpp threads wait: libgomp's spin, set before llama.cpp loads.
+
+llama-cpp-python's llama.cpp is built with OpenMP (libggml-cpu links libgomp),
+so a ``llama_decode`` on n threads is one OpenMP parallel region, and ggml's
+barriers between a graph's operations are OpenMP barriers. libgomp makes a
+waiting thread spin ``GOMP_SPINCOUNT`` rounds before it sleeps, both at those
+barriers and, once the region is over, while it waits for the next one. Its
+default (300,000 rounds, ~3 ms) suits one process that has the machine to
+itself, as the whole model in ``Llama`` does. It does not suit two hops of a
+route on one machine: the hop that just finished keeps a core spinning for
+milliseconds while the next hop computes on all of them. Measured on 2 vCPUs
+(docs/performance.md, "Threads"): a two-hop route decoding on 2 threads per
+hop made 38 tok/s with the default spin and 71 with 10,000 rounds (~0.1 ms),
+beside 79 for the whole model.
+
+libgomp reads the variable once, when it is loaded (``import llama_cpp``), so
+``configure`` runs at the very start of a node process; a value the user set
+is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+#: libgomp spin rounds before a waiting thread sleeps (~0.1 ms): long enough for a barrier between two
+#: operations of one graph, short enough that a hop's idle threads are asleep before the next hop computes
+SPIN_ROUNDS = 10_000
+
+log = logging.getLogger("meshnode.node")
+
+
+def configure(environ: dict[str, str] | None = None) -> str:
+    """Set ``GOMP_SPINCOUNT`` for this process unless the user did; returns the value in force.
+
+    Too late once llama.cpp is loaded (libgomp has read its environment): logged, not raised.
+    """
+    env = os.environ if environ is None else environ
+    value = env.setdefault("GOMP_SPINCOUNT", str(SPIN_ROUNDS))
+    if environ is None and "llama_cpp" in sys.modules:
+        log.warning("llama.cpp was loaded before GOMP_SPINCOUNT was set; its threads spin libgomp's default")
+    return value
