@@ -128,11 +128,11 @@ def _node_settings(ns: argparse.Namespace) -> argparse.Namespace:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.executor import openmp
 
-    openmp.configure()  # before llama.cpp loads: libgomp reads its environment once
+    ns = _node_settings(ns)
+    openmp.configure(ns.threads or ExecConfig().n_threads)  # before llama.cpp loads: libgomp reads it once
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.node import NodeConfig, run_node
 
-    ns = _node_settings(ns)
     if ns.tracker:
         check_url(ns.tracker)
     if getattr(ns, "join", False) and ns.auto:

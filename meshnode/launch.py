@@ -57,15 +57,19 @@ class NodeProcess:
 
 
 def start_node(model: Path, layers: str | None, *, extra: Sequence[str] = (), timeout: float = 120.0,
-               state_dir: Path | None = None, command: str = "serve", log_json: bool = False) -> NodeProcess:
+               state_dir: Path | None = None, command: str = "serve", log_json: bool = False,
+               cpus: Sequence[int] = ()) -> NodeProcess:
     """A ``meshnode serve`` child on 127.0.0.1, port 0; each gets its own identity
     (a fresh temporary state directory) unless ``state_dir`` is given. ``log_json``:
-    its log (``stderr()``) is JSON lines at INFO, as under systemd."""
+    its log (``stderr()``) is JSON lines at INFO, as under systemd. ``cpus``: run it
+    under ``taskset -c`` on those CPUs only (a machine of its own, as the benchmark
+    simulates one)."""
     own_state = None
     if state_dir is None:
         own_state = tempfile.TemporaryDirectory(prefix="meshnode-state-")
         state_dir = Path(own_state.name)
-    cmd = [sys.executable, "-m", "meshnode", *(["--log-json"] if log_json else []), command, "--model", str(model),
+    cmd = [*taskset(cpus), sys.executable, "-m", "meshnode", *(["--log-json"] if log_json else []), command,
+           "--model", str(model),
            *(["--layers", layers] if layers else []), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *extra]
     log = tempfile.TemporaryFile(mode="w+")  # owned (and closed) by NodeProcess
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -88,17 +92,24 @@ def start_node(model: Path, layers: str | None, *, extra: Sequence[str] = (), ti
     raise PeerError(f"node for layers {layers} did not start: {err.strip()[-600:]}")
 
 
+def taskset(cpus: Sequence[int]) -> list[str]:
+    """The command prefix that runs a program on ``cpus`` only (none: anywhere)."""
+    return ["taskset", "-c", ",".join(str(c) for c in sorted(cpus))] if cpus else []
+
+
 def _layers_of(line: str) -> str:
     m = re.search(r"serving layers (\d+:\d+)", line)
     return m.group(1) if m else "?"
 
 
 @contextlib.contextmanager
-def local_route(model: Path, cuts: Sequence[str], extra: Sequence[str] = ()) -> Iterator[list[NodeProcess]]:
+def local_route(model: Path, cuts: Sequence[str], extra: Sequence[str] = (),
+                cpus: Sequence[Sequence[int]] = ()) -> Iterator[list[NodeProcess]]:
+    """A node per cut; ``cpus``: each node's CPUs (``taskset``), in cut order."""
     nodes: list[NodeProcess] = []
     try:
-        for c in cuts:
-            nodes.append(start_node(model, c, extra=extra))
+        for i, c in enumerate(cuts):
+            nodes.append(start_node(model, c, extra=extra, cpus=cpus[i] if cpus else ()))
         yield nodes
     finally:
         for n in nodes:

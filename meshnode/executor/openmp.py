@@ -31,12 +31,16 @@ SPIN_ROUNDS = 10_000
 log = logging.getLogger("meshnode.node")
 
 
-def configure(environ: dict[str, str] | None = None) -> str:
-    """Set ``GOMP_SPINCOUNT`` for this process unless the user did; returns the value in force.
+def configure(decode_threads: int, environ: dict[str, str] | None = None) -> str | None:
+    """For a node that decodes on several threads, set ``GOMP_SPINCOUNT`` unless the user did; returns
+    the value in force (None: libgomp's default). A single-threaded decode starts no OpenMP team, and
+    prompt chunks are long enough that the default spin costs nothing there.
 
     Too late once llama.cpp is loaded (libgomp has read its environment): logged, not raised.
     """
     env = os.environ if environ is None else environ
+    if decode_threads <= 1:
+        return env.get("GOMP_SPINCOUNT")
     value = env.setdefault("GOMP_SPINCOUNT", str(SPIN_ROUNDS))
     if environ is None and "llama_cpp" in sys.modules:
         log.warning("llama.cpp was loaded before GOMP_SPINCOUNT was set; its threads spin libgomp's default")

@@ -1,0 +1,144 @@
+"""The two sides of every comparison, as users run them, for ``python -m bench``.
+
+* The whole model: ``llama_cpp.Llama`` in a child process of its own (``route_bench``'s and
+  ``batch_bench``'s whole-model children, or ``prefill_child`` here), optionally under ``taskset``.
+* The route: ``meshnode generate`` processes and the OpenAI API (``meshnode api`` + the ``openai``
+  client), each decode rate measured *by difference* of a long and a short generation of the same
+  prompt, so process start-up, route checks, session open and prefill cancel out.
+
+Everything runs on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from meshnode.launch import taskset
+
+ROOT = Path(__file__).resolve().parents[1]
+#: greedy SmolLM2 runs on past 200 tokens after this prompt without an end-of-generation token
+PROMPT = "The three primary colors are"
+SHORT, LONG = 16, 208
+LONG_TEXT = ("The history of the printing press begins in the fifteenth century, when movable metal type made it "
+             "possible to reproduce books quickly and cheaply. Within a few decades, presses had spread to hundreds "
+             "of cities across Europe, and the number of books in circulation grew from thousands to millions. ")
+
+
+def _child(args: Sequence[str], cpus: Sequence[int] = ()) -> dict[str, Any]:
+    """Run ``python -m bench.X ...`` (its last stdout line is one JSON object)."""
+    done = subprocess.run([*taskset(cpus), sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"python -m {args[0]} {args[1]} failed: {done.stderr.strip()[-800:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def whole_decode(model: Path, threads: int, tokens: int, cpus: Sequence[int] = ()) -> dict[str, Any]:
+    """``Llama`` (default context, ``threads`` for decode and batch): greedy decode tok/s and its tokens."""
+    return _child(["bench.route_bench", "--whole-child", "--model", str(model), "--tokens", str(tokens),
+                   "--threads", str(threads), "--threads-batch", str(threads)], cpus)
+
+
+def whole_batched(model: Path, sessions: int, threads: int, tokens: int, cpus: Sequence[int] = ()) -> dict[str, Any]:
+    """The whole model decoding ``sessions`` sequences as one batch per step (``batch_bench``'s child)."""
+    r = _child(["bench.batch_bench", "--whole-child", "--model", str(model), "--tokens", str(tokens),
+                "--threads", str(threads), "--threads-batch", str(threads), "--sessions", str(sessions),
+                "--max-sessions", str(sessions)], cpus)
+    return {"ids": r["ids"], **r["by_n"][str(sessions)]}
+
+
+def long_prompt(repeat: int) -> str:
+    """A prompt of ``repeat`` copies of a paragraph (~55 tokens each)."""
+    return LONG_TEXT * repeat
+
+
+def prefill_child(model: str, text: str, threads: int, n_ctx: int) -> dict[str, Any]:
+    """In a child: ``Llama.eval`` of the whole prompt (chunked by n_batch 512, as a route's prefill), warm."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model, verbose=False, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads)
+    ids = llm.tokenize(text.encode(), add_bos=True, special=True)
+    llm.eval(ids[:600])  # warm-up: the graphs of a full and a partial chunk
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    return {"prefill_s": time.perf_counter() - t0, "n_tokens": len(ids)}
+
+
+def whole_prefill(model: Path, repeat: int, threads: int, n_ctx: int, cpus: Sequence[int] = ()) -> dict[str, Any]:
+    """Prefill seconds of ``long_prompt(repeat)`` in ``Llama`` (a child process)."""
+    return _child(["bench", "--prefill-child", "--model", str(model), "--repeat", str(repeat), "--threads",
+                   str(threads), "--ctx-size", str(n_ctx)], cpus)
+
+
+def generate(peers: Sequence[str], prompt: str, max_tokens: int,
+             cpus: Sequence[int] = ()) -> tuple[float, dict[str, Any]]:
+    """One ``meshnode generate`` process, greedy: (wall seconds, its --json result)."""
+    cmd = [*taskset(cpus), sys.executable, "-m", "meshnode", "generate", *[a for p in peers for a in ("--peer", p)],
+           "--prompt", prompt, "--max-tokens", str(max_tokens), "--temperature", "0", "--json"]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return time.perf_counter() - t0, json.loads(out)
+
+
+def cli_decode(peers: Sequence[str], runs: int, cpus: Sequence[int] = ()) -> dict[str, Any]:
+    """Decode tok/s through the CLI, by difference: (tokens_long - tokens_short) / (wall_long - wall_short)."""
+    generate(peers, PROMPT, 4, cpus)  # warm-up
+    rates, inner, tokens = [], [], []
+    for _ in range(runs):
+        ts, short = generate(peers, PROMPT, SHORT, cpus)
+        tl, long = generate(peers, PROMPT, LONG, cpus)
+        rates.append((len(long["tokens"]) - len(short["tokens"])) / (tl - ts))
+        inner.append(long["decode_tokens_per_second"])
+        tokens = long["tokens"]
+    return {"tps": statistics.median(rates), "runs": rates, "reported_tps": statistics.median(inner),
+            "tokens": tokens}
+
+
+@contextlib.contextmanager
+def api_gateway(peers: Sequence[str], cpus: Sequence[int] = ()) -> Iterator[str]:
+    """``meshnode api --peer ...`` on 127.0.0.1, port 0; yields its base URL."""
+    cmd = [*taskset(cpus), sys.executable, "-m", "meshnode", "api", *[a for p in peers for a in ("--peer", p)],
+           "--listen", "127.0.0.1:0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = re.search(r"listening on (http://\S+/v1)", line)
+            if m:
+                yield m.group(1)
+                return
+        raise RuntimeError("meshnode api did not start")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def api_decode(peers: Sequence[str], runs: int, cpus: Sequence[int] = ()) -> dict[str, Any]:
+    """Decode tok/s through the OpenAI API (official client, /v1/completions), by difference."""
+    import openai
+
+    with api_gateway(peers, cpus) as url, openai.OpenAI(base_url=url, api_key="unused") as client:
+        model = client.models.list().data[0].id
+
+        def one(n: int) -> tuple[float, int]:
+            t0 = time.perf_counter()
+            r = client.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0)
+            assert r.usage is not None
+            return time.perf_counter() - t0, r.usage.completion_tokens
+
+        one(4)
+        rates = []
+        for _ in range(runs):
+            (ts, ns), (tl, nl) = one(SHORT), one(LONG)
+            rates.append((nl - ns) / (tl - ts))
+    return {"tps": statistics.median(rates), "runs": rates}

@@ -1,0 +1,223 @@
+"""Every comparison of docs/performance.md in one run: ``python -m bench``.
+
+Sections (``--only`` picks some), each printing both sides' figures, thread counts and the load average:
+
+* **one-machine** -- the whole model in ``Llama`` at its fastest thread count (each of 1..cores tried,
+  ``--runs`` times, the best median kept) beside a two-hop route of ``meshnode serve`` processes with
+  their default settings, measured through ``meshnode generate`` (by difference), the OpenAI API (by
+  difference) and ``bench.route_bench``'s in-process initiator. Target: CLI decode >= 0.85 x best whole.
+* **pinned** -- two machines simulated on one: each node under ``taskset`` on a core of its own, the
+  initiator beside the head; the whole model on one core. Targets: single-session decode >= 0.92 x
+  whole; 8 sessions' aggregate decode >= 1.7 x the whole model batched on one core; prefill of a
+  2048-token prompt >= 1.5 x faster than the whole model.
+* **batched** -- 8 concurrent sessions, unpinned: route aggregate decode >= 0.90 x the whole model
+  batched at its best thread count.
+* **memory** -- ``bench.memory_bench`` on the synthetic 1.3 GB model: half-range nodes <= 0.60 x the
+  whole process's peak RSS, third-range nodes <= 0.45 x.
+
+No figure here is asserted by a test; the targets are printed beside what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench import paths
+
+SECTIONS = ("one-machine", "pinned", "batched", "memory")
+#: copies of paths.LONG_TEXT in the prefill prompt: just over 2048 tokens
+PREFILL_REPEAT = 38
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+@contextlib.contextmanager
+def pinned_here(cpus: set[int]) -> Iterator[None]:
+    """Run this process (the in-process initiator) on ``cpus`` for the duration."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+class Report:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, what: str, route: float, whole: float, unit: str, target: float, *, ratio: float | None = None,
+            note: str = "") -> None:
+        ratio = route / whole if ratio is None else ratio
+        row = {"what": what, "route": route, "whole": whole, "unit": unit, "ratio": ratio, "target": target,
+               "met": ratio >= target, "note": note}
+        self.rows.append(row)
+        print(f"  -> {what}: route {route:.2f} {unit}, whole {whole:.2f} {unit}, ratio {ratio:.3f} "
+              f"(target >= {target}) {'met' if row['met'] else 'NOT MET'} {note}", flush=True)
+
+    def print(self) -> None:
+        print(f"\n{'comparison':<58}{'route':>10}{'whole':>10}{'ratio':>8}{'target':>9}  met")
+        for r in self.rows:
+            target = f">= {r['target']}"
+            print(f"{r['what']:<58}{r['route']:>10.2f}{r['whole']:>10.2f}{r['ratio']:>8.3f}{target:>9}"
+                  f"  {'yes' if r['met'] else 'NO'}  {r['note']}")
+
+
+def best_whole(model: Path, runs: int, tokens: int) -> dict[str, Any]:
+    cores = len(os.sched_getaffinity(0))
+    by_t: dict[int, list[float]] = {t: [] for t in range(1, cores + 1)}
+    tokens_seen: list[int] = []
+    for _ in range(runs):  # interleaved, so a busy moment of the host does not land on one thread count
+        for t in by_t:
+            r = paths.whole_decode(model, t, tokens)
+            by_t[t].append(r["decode_tps"])
+            tokens_seen = r["short_tokens"]
+    med = {t: statistics.median(v) for t, v in by_t.items()}
+    best = max(med, key=lambda t: med[t])
+    print("  whole model (Llama), decode tok/s by n_threads: "
+          + ", ".join(f"{t}: {m:.1f} {[round(x, 1) for x in by_t[t]]}" for t, m in med.items())
+          + f" -> best {best} threads", flush=True)
+    return {"threads": best, "tps": med[best], "by_threads": med, "tokens": tokens_seen}
+
+
+def same_tokens(route: list[int], whole: list[int]) -> bool:
+    return bool(route) and route == whole[1 : len(route) + 1]
+
+
+def one_machine(model: Path, runs: int, rep: Report) -> dict[str, Any]:
+    from bench.route_bench import run_route
+    from meshnode.launch import local_route
+
+    print(f"\n== one machine: its cores shared by the route's nodes (load average {load()})", flush=True)
+    whole = best_whole(model, runs, paths.LONG)
+    with local_route(model, ["0:15", "15:30"], extra=["--ctx-size", "512"]) as nodes:
+        peers = [n.endpoint for n in nodes]
+        cli = paths.cli_decode(peers, runs)
+        print(f"  route via `meshnode generate` (by difference of {paths.LONG} and {paths.SHORT} tokens): "
+              f"{cli['tps']:.1f} tok/s {[round(x, 1) for x in cli['runs']]}; the CLI's own decode figure "
+              f"{cli['reported_tps']:.1f}; tokens equal to the whole model's: "
+              f"{same_tokens(cli['tokens'], whole['tokens'])}",
+              flush=True)
+        api = paths.api_decode(peers, runs)
+        print(f"  route via the OpenAI API (by difference): {api['tps']:.1f} tok/s "
+              f"{[round(x, 1) for x in api['runs']]}",
+              flush=True)
+        ids = paths.whole_decode(model, 1, 2)["short_ids"]
+        inproc = statistics.median(run_route(peers, ids, ids, paths.LONG)["decode_tps"] for _ in range(runs))
+        print(f"  route via bench.route_bench's in-process initiator: {inproc:.1f} tok/s", flush=True)
+    note = f"(whole at {whole['threads']} threads; nodes at their defaults)"
+    rep.add("one machine: decode, `meshnode generate`", cli["tps"], whole["tps"], "tok/s", 0.85, note=note)
+    rep.add("one machine: decode, OpenAI API", api["tps"], whole["tps"], "tok/s", 0.85, note=note)
+    rep.add("one machine: decode, route_bench in-process", inproc, whole["tps"], "tok/s", 0.85, note=note)
+    return {"whole": whole, "cli": cli, "api": api, "inproc_tps": inproc, "load": load()}
+
+
+def pinned(model: Path, runs: int, rep: Report) -> dict[str, Any]:
+    from bench.batch_bench import run_route
+    from meshnode.launch import local_route
+
+    print(f"\n== several machines, simulated: one core per node, the whole model on one core (load average "
+          f"{load()})", flush=True)
+    text = paths.long_prompt(PREFILL_REPEAT)
+    dec, pre, bat = [], [], []
+    for _ in range(runs):
+        dec.append(paths.whole_decode(model, 1, paths.LONG, cpus=[0])["decode_tps"])
+        pre.append(paths.whole_prefill(model, PREFILL_REPEAT, 1, 2560, cpus=[0])["prefill_s"])
+        b = paths.whole_batched(model, 8, 1, 64, cpus=[0])
+        bat.append(b["tps"])
+    w = {"decode_tps": statistics.median(dec), "prefill_s": statistics.median(pre),
+         "batched_tps": statistics.median(bat)}
+    print(f"  whole on core 0, 1 thread: decode {w['decode_tps']:.1f} tok/s, prefill {w['prefill_s']:.3f} s, "
+          f"8 sessions batched {w['batched_tps']:.1f} tok/s", flush=True)
+    extra = ["--ctx-size", "2560", "--max-sessions", "8"]
+    with local_route(model, ["0:15", "15:30"], extra=extra, cpus=[[0], [1]]) as nodes:
+        peers = [n.endpoint for n in nodes]
+        cli = paths.cli_decode(peers, runs, cpus=[0])
+        pres = [paths.generate(peers, text, 1, cpus=[0])[1] for _ in range(runs)]
+        with pinned_here({0}):
+            routes = [run_route(peers, b["ids"], [8], 64, warm=i == 0)["by_n"]["8"]["tps"] for i in range(runs)]
+    r_pre = statistics.median(p["prefill_seconds"] for p in pres)
+    n_pre = len(pres[0]["prompt_tokens"])
+    print(f"  route, nodes on cores 0 and 1, initiator on core 0: decode {cli['tps']:.1f} tok/s "
+          f"{[round(x, 1) for x in cli['runs']]}; prefill of {n_pre} tokens {r_pre:.3f} s; 8 sessions "
+          f"{statistics.median(routes):.1f} tok/s {[round(x, 1) for x in routes]}", flush=True)
+    rep.add("2 machines (pinned): decode, `meshnode generate`", cli["tps"], w["decode_tps"], "tok/s", 0.92)
+    rep.add("2 machines (pinned): 8 sessions aggregate", statistics.median(routes), w["batched_tps"], "tok/s", 1.7)
+    rep.add(f"2 machines (pinned): prefill {n_pre} tokens, whole/route", r_pre, w["prefill_s"], "s", 1.5,
+            ratio=w["prefill_s"] / r_pre)
+    return {"whole": w, "cli": cli, "route_prefill_s": r_pre, "route_batched": routes, "load": load()}
+
+
+def batched(model: Path, runs: int, rep: Report) -> dict[str, Any]:
+    from bench.batch_bench import run_route
+    from meshnode.launch import local_route
+
+    print(f"\n== 8 concurrent sessions, one machine, unpinned (load average {load()})", flush=True)
+    cores = len(os.sched_getaffinity(0))
+    by_t = {t: statistics.median(paths.whole_batched(model, 8, t, 64)["tps"] for _ in range(runs))
+            for t in range(1, cores + 1)}
+    best = max(by_t, key=lambda t: by_t[t])
+    ids = paths.whole_batched(model, 8, best, 2)["ids"]
+    with local_route(model, ["0:15", "15:30"], extra=["--ctx-size", "512", "--max-sessions", "8"]) as nodes:
+        peers = [n.endpoint for n in nodes]
+        routes = [run_route(peers, ids, [8], 64, warm=i == 0)["by_n"]["8"]["tps"] for i in range(runs)]
+    print(f"  whole batched, tok/s by n_threads: {', '.join(f'{t}: {v:.1f}' for t, v in by_t.items())}; "
+          f"route {statistics.median(routes):.1f} {[round(x, 1) for x in routes]}", flush=True)
+    rep.add("one machine: 8 sessions aggregate decode", statistics.median(routes), by_t[best], "tok/s", 0.90,
+            note=f"(whole at {best} threads)")
+    return {"whole_by_threads": by_t, "route": routes, "load": load()}
+
+
+def memory(rep: Report) -> dict[str, Any]:
+    from bench import memory_bench
+
+    print(f"\n== memory: the synthetic 1.3 GB model (load average {load()})", flush=True)
+    m = memory_bench.run(["--no-imports"])
+    for row in m["rows"]:
+        if row["target"] is not None:
+            rep.add(f"memory: {row['process']} {row['layers']} peak RSS, whole/node", 1 / row["ratio"], 1.0, "x",
+                    1 / row["target"], ratio=1 / row["ratio"], note=f"({row['peak_mb']:.0f} MB)")
+    return m
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", allow_abbrev=False,
+                                 description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="repetitions of each measurement (medians reported)")
+    ap.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeat)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    ap.add_argument("--prefill-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--ctx-size", type=int, default=2560, help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.prefill_child:
+        print(json.dumps(paths.prefill_child(ns.model, paths.long_prompt(ns.repeat), ns.threads, ns.ctx_size)))
+        return 0
+    from bench._setup import model_and_cuts
+
+    model, _, _ = model_and_cuts(argparse.Namespace(model=None, cuts="0:15,15:30"))
+    print(f"command: python -m bench {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"model: {model}; cores: {len(os.sched_getaffinity(0))}; load average at start: {load()}")
+    rep, out = Report(), {}
+    for name in ns.only or SECTIONS:
+        if name == "memory":
+            out[name] = memory(rep)
+        else:
+            out[name] = {"one-machine": one_machine, "pinned": pinned, "batched": batched}[name](model, ns.runs, rep)
+    rep.print()
+    print(f"load average at end: {load()}")
+    if ns.json:
+        print(json.dumps({"rows": rep.rows, "sections": out}, default=str))
+    return 0

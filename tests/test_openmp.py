@@ -1,0 +1,109 @@
+"""How a node's llama.cpp threads are placed and wait (docs/performance.md, "Threads").
+
+* libgomp in a ``meshnode serve`` process that decodes on several threads runs with meshnode's spin
+  count, or with the user's;
+* every llama_decode that may start an OpenMP team runs on one thread of the node: two threads that
+  each own a team make libgomp count more threads than cores and sleep at every barrier;
+* thread defaults follow the CPUs the process may use (a cpuset or ``taskset``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshnode.executor import openmp
+from meshnode.executor.api import RangeExecutor
+from meshnode.executor.config import ExecConfig, _cores, _cpus
+from meshnode.gguf.slicer import ensure_range
+from meshnode.launch import start_node
+from meshnode.transport.aiothread import open_aio_thread
+
+
+def test_configure_sets_the_spin_for_a_multithreaded_decode_unless_the_user_did() -> None:
+    env: dict[str, str] = {}
+    assert openmp.configure(2, env) == str(openmp.SPIN_ROUNDS)
+    assert env == {"GOMP_SPINCOUNT": str(openmp.SPIN_ROUNDS)}
+    mine = {"GOMP_SPINCOUNT": "250"}
+    assert openmp.configure(2, mine) == "250"
+    assert mine == {"GOMP_SPINCOUNT": "250"}
+    single: dict[str, str] = {}
+    assert openmp.configure(1, single) is None  # no team in decode: libgomp's default
+    assert single == {}
+
+
+def test_thread_defaults_follow_the_cpus_this_process_may_use() -> None:
+    assert 1 <= _cores() <= _cpus() == len(os.sched_getaffinity(0))
+    cfg = ExecConfig()
+    assert (cfg.n_threads, cfg.n_threads_batch) == (max(_cores() // 2, 1), _cpus())
+    code = "from meshnode.executor.config import ExecConfig as E; c = E(); print(c.n_threads, c.n_threads_batch)"
+    out = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-c", code],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "1"]  # one CPU: one thread each, not os.cpu_count()
+
+
+@pytest.mark.parametrize("spin", [None, "2500"])
+def test_a_multithreaded_node_loads_llama_cpp_with_its_spin(model: Path, spin: str | None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_DISPLAY_ENV", "VERBOSE")  # libgomp prints its settings when it loads
+    if spin is None:
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    else:
+        monkeypatch.setenv("GOMP_SPINCOUNT", spin)
+    node = start_node(model, "15:30", extra=["--ctx-size", "256", "--max-sessions", "1", "--threads", "2"])
+    try:
+        node.proc.terminate()
+        node.proc.wait(30)
+        err = node.stderr()
+    finally:
+        node.stop()
+    want = spin or str(openmp.SPIN_ROUNDS)
+    assert f"GOMP_SPINCOUNT = '{want}'" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_every_multithreaded_decode_runs_on_one_thread(model: Path, threads: int) -> None:
+    ex = RangeExecutor(ensure_range(model, 0, 12), ExecConfig(n_ctx_per_session=256, max_sessions=1,
+                                                              n_threads=threads, n_threads_batch=2))
+    ran: list[tuple[str, int]] = []  # (thread, rows) of every llama_decode
+    real = ex._range.forward_many
+
+    def spy(chunks: list[Any]) -> Any:
+        ran.append((threading.current_thread().name, sum(ex._rows(c) for c in chunks)))
+        return real(chunks)
+
+    ex._range.forward_many = spy  # type: ignore[method-assign]
+
+    async def session() -> None:
+        slot = ex.open_slot()
+        await ex.forward(slot, 0, tokens=np.asarray([1, 504, 3575, 282], np.int32))  # a prompt chunk
+        for pos in range(4, 8):
+            while ex._ctx.locked():  # the worker is done with the last step (else this one queues behind it)
+                await asyncio.sleep(0)
+            await ex.forward(slot, pos, tokens=np.asarray([314], np.int32))  # decode steps
+        await ex.release(slot)
+
+    try:
+        async with open_aio_thread(name="dataplane") as aio:
+            await aio.run(session)
+    finally:
+        ex.close()
+    decode = {name for name, rows in ran if rows == 1}
+    prompt = {name for name, rows in ran if rows > 1}
+    assert len(ran) == 5
+    assert len(prompt) == 1
+    assert len(decode) == 1
+    if threads == 1:  # single-threaded decode starts no team: it stays inline on the data plane's thread
+        assert decode == {"dataplane"}
+        assert prompt != decode
+    else:  # decode starts a team: it runs where prompt chunks run, the executor's one worker thread
+        assert decode == prompt
+        assert "dataplane" not in decode
