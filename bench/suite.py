@@ -115,11 +115,18 @@ def one_machine(model: Path, runs: int, rep: Report) -> dict[str, Any]:
         ids = paths.whole_decode(model, 1, 2)["short_ids"]
         inproc = statistics.median(run_route(peers, ids, ids, paths.LONG)["decode_tps"] for _ in range(runs))
         print(f"  route via bench.route_bench's in-process initiator: {inproc:.1f} tok/s", flush=True)
+    cores = len(os.sched_getaffinity(0))
+    with local_route(model, ["0:15", "15:30"], extra=["--ctx-size", "512", "--threads", str(cores)]) as nodes:
+        every = paths.cli_decode([n.endpoint for n in nodes], runs)
+        print(f"  route with --threads {cores} on both nodes, via `meshnode generate`: {every['tps']:.1f} tok/s "
+              f"{[round(x, 1) for x in every['runs']]}", flush=True)
     note = f"(whole at {whole['threads']} threads; nodes at their defaults)"
     rep.add("one machine: decode, `meshnode generate`", cli["tps"], whole["tps"], "tok/s", 0.85, note=note)
     rep.add("one machine: decode, OpenAI API", api["tps"], whole["tps"], "tok/s", 0.85, note=note)
     rep.add("one machine: decode, route_bench in-process", inproc, whole["tps"], "tok/s", 0.85, note=note)
-    return {"whole": whole, "cli": cli, "api": api, "inproc_tps": inproc, "load": load()}
+    rep.add(f"one machine: decode, `meshnode generate`, --threads {cores}", every["tps"], whole["tps"], "tok/s", 0.85,
+            note=f"(whole at {whole['threads']} threads)")
+    return {"whole": whole, "cli": cli, "api": api, "inproc_tps": inproc, "cli_all_threads": every, "load": load()}
 
 
 def pinned(model: Path, runs: int, rep: Report) -> dict[str, Any]:
