@@ -57,19 +57,20 @@ class Report:
         self.rows: list[dict[str, Any]] = []
 
     def add(self, what: str, route: float, whole: float, unit: str, target: float, *, ratio: float | None = None,
-            note: str = "") -> None:
+            at_most: bool = False, note: str = "") -> None:
+        """One comparison; its ratio (default route / whole) must be >= ``target`` (``at_most``: <=)."""
         ratio = route / whole if ratio is None else ratio
-        row = {"what": what, "route": route, "whole": whole, "unit": unit, "ratio": ratio, "target": target,
-               "met": ratio >= target, "note": note}
+        row = {"what": what, "route": route, "whole": whole, "unit": unit, "ratio": ratio,
+               "target": f"{'<=' if at_most else '>='} {target}",
+               "met": ratio <= target if at_most else ratio >= target, "note": note}
         self.rows.append(row)
         print(f"  -> {what}: route {route:.2f} {unit}, whole {whole:.2f} {unit}, ratio {ratio:.3f} "
-              f"(target >= {target}) {'met' if row['met'] else 'NOT MET'} {note}", flush=True)
+              f"(target {row['target']}) {'met' if row['met'] else 'NOT MET'} {note}", flush=True)
 
     def print(self) -> None:
         print(f"\n{'comparison':<58}{'route':>10}{'whole':>10}{'ratio':>8}{'target':>9}  met")
         for r in self.rows:
-            target = f">= {r['target']}"
-            print(f"{r['what']:<58}{r['route']:>10.2f}{r['whole']:>10.2f}{r['ratio']:>8.3f}{target:>9}"
+            print(f"{r['what']:<58}{r['route']:>10.2f}{r['whole']:>10.2f}{r['ratio']:>8.3f}{r['target']:>9}"
                   f"  {'yes' if r['met'] else 'NO'}  {r['note']}")
 
 
@@ -91,7 +92,8 @@ def best_whole(model: Path, runs: int, tokens: int) -> dict[str, Any]:
 
 
 def same_tokens(route: list[int], whole: list[int]) -> bool:
-    return bool(route) and route == whole[1 : len(route) + 1]
+    """The route's generated tokens are the whole model's first ones (both start with the prompt's next token)."""
+    return bool(route) and route == whole[: len(route)]
 
 
 def one_machine(model: Path, runs: int, rep: Report) -> dict[str, Any]:
@@ -192,8 +194,9 @@ def memory(rep: Report) -> dict[str, Any]:
     m = memory_bench.run(["--no-imports"])
     for row in m["rows"]:
         if row["target"] is not None:
-            rep.add(f"memory: {row['process']} {row['layers']} peak RSS, whole/node", 1 / row["ratio"], 1.0, "x",
-                    1 / row["target"], ratio=1 / row["ratio"], note=f"({row['peak_mb']:.0f} MB)")
+            name = row["process"].removesuffix(" (meshnode serve)")
+            rep.add(f"memory: {name} node {row['layers']}, peak RSS MB", row["peak_mb"], m["rows"][0]["peak_mb"],
+                    "MB", row["target"], at_most=True)
     return m
 
 
