@@ -7,13 +7,18 @@ whole model in a third, and prints the per-token time of each. Whatever the
 route's transport does, its decode ratio on one machine cannot beat
 whole / (head + tail) measured here.
 
-    python -m bench.interference [--tokens 128]
+    python -m bench.interference [--tokens 128] [--threads N] [--spin ROUNDS]
+
+``--threads`` sets each process's llama.cpp threads (decode and batch), ``--spin``
+libgomp's ``GOMP_SPINCOUNT`` in the head and tail processes (default: libgomp's own),
+which is how docs/performance.md ("Threads") compared the ways idle threads wait.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics as st
 import time
 from multiprocessing.connection import Connection
@@ -24,7 +29,7 @@ import numpy as np
 PROMPT_IDS = [504, 3575, 282, 4649, 314]
 
 
-def worker(cut: tuple[int, int], conn: Connection) -> None:
+def worker(cut: tuple[int, int], conn: Connection, threads: int) -> None:
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.executor._llama import LlamaRange
     from meshnode.executor.config import ExecConfig
@@ -32,7 +37,8 @@ def worker(cut: tuple[int, int], conn: Connection) -> None:
     from meshnode.models import pull
 
     silence_llama_logs()
-    r = LlamaRange(ensure_range(pull(), *cut), ExecConfig(n_threads=1, n_threads_batch=2, max_sessions=1))
+    r = LlamaRange(ensure_range(pull(), *cut), ExecConfig(n_threads=threads, n_threads_batch=max(threads, 2),
+                                                           max_sessions=1))
     conn.send("ready")
     comp: list[float] = []
     while (msg := conn.recv()) is not None:
@@ -45,10 +51,10 @@ def worker(cut: tuple[int, int], conn: Connection) -> None:
     r.close()
 
 
-def chain(cuts: list[tuple[int, int]], n: int) -> dict[str, Any]:
+def chain(cuts: list[tuple[int, int]], n: int, threads: int = 1) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in cuts]
-    procs = [ctx.Process(target=worker, args=(c, b)) for c, (_, b) in zip(cuts, pipes, strict=True)]
+    procs = [ctx.Process(target=worker, args=(c, b, threads)) for c, (_, b) in zip(cuts, pipes, strict=True)]
     for p in procs:
         p.start()
     ends = [a for a, _ in pipes]
@@ -76,9 +82,13 @@ def chain(cuts: list[tuple[int, int]], n: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads of each process")
+    ap.add_argument("--spin", type=int, help="GOMP_SPINCOUNT of the head and tail processes")
     ns = ap.parse_args()
-    whole = chain([(0, 30)], ns.tokens)
-    route = chain([(0, 15), (15, 30)], ns.tokens)
+    whole = chain([(0, 30)], ns.tokens, ns.threads)  # the whole model waits as libgomp does by default
+    if ns.spin is not None:
+        os.environ["GOMP_SPINCOUNT"] = str(ns.spin)  # inherited by the spawned head and tail
+    route = chain([(0, 15), (15, 30)], ns.tokens, ns.threads)
     print(f"whole model, 1 process : {whole['per_token_ms']:.2f} ms/token")
     print(f"head+tail, 2 processes : {route['per_token_ms']:.2f} ms/token "
           f"(compute head {route['compute_ms'][0]:.2f}, tail {route['compute_ms'][1]:.2f})")
