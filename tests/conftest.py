@@ -46,6 +46,20 @@ def model() -> Path:
     return pull()
 
 
+@pytest.fixture(scope="module")
+def tiny_cache(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Range artifacts of tiny models go to a temporary cache, not the user's.
+
+    Depends on ``model`` so the default model is resolved (in the real cache)
+    before the variable is changed; module-scoped so it is restored before
+    other test modules run (``cache_dir()`` reads it at call time).
+    """
+    cache = tmp_path_factory.mktemp("meshnode-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MESHNODE_CACHE_DIR", str(cache))
+        yield cache
+
+
 @dataclass(frozen=True)
 class Reference:
     prompt_tokens: list[int]

@@ -20,7 +20,7 @@ vocabulary is covered by the SmolLM2 (llama) route tests.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,20 +71,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # n_embd 96: sqrt(n_embd) is not exact in float32, so the head's own scale is tested
     "gemma3": {"arch": "gemma3", "seed": 4, "n_embd": 96, "sliding_window": SLIDING_WINDOW},
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_cache(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Range artifacts of tiny models go to a temporary cache, not the user's.
-
-    Depends on ``model`` so the default model is resolved (in the real cache)
-    before the variable is changed; module-scoped so it is restored before
-    other test modules run (``cache_dir()`` reads it at call time).
-    """
-    cache = tmp_path_factory.mktemp("meshnode-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MESHNODE_CACHE_DIR", str(cache))
-        yield cache
 
 
 @pytest.fixture(scope="module")

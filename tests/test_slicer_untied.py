@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +60,6 @@ UNTIED: dict[str, dict[str, Any]] = {
 }
 
 CUTS = [[(0, 5), (5, 12)], [(0, 1), (1, 11), (11, 12)]]
-
-
-@pytest.fixture(scope="module")
-def tiny_cache(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Range artifacts go to a temporary cache (as in test_arch_parity), restored after the module."""
-    cache = tmp_path_factory.mktemp("meshnode-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MESHNODE_CACHE_DIR", str(cache))
-        yield cache
 
 
 @pytest.fixture(scope="module")
