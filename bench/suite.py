@@ -160,10 +160,13 @@ def pinned(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     print(f"  route, nodes on cores 0 and 1, initiator on core 0: decode {cli['tps']:.1f} tok/s "
           f"{[round(x, 1) for x in cli['runs']]}; prefill of {n_pre} tokens {r_pre:.3f} s; 8 sessions "
           f"{statistics.median(routes):.1f} tok/s {[round(x, 1) for x in routes]}", flush=True)
-    rep.add("2 machines (pinned): decode, `meshnode generate`", cli["tps"], w["decode_tps"], "tok/s", 0.92)
-    rep.add("2 machines (pinned): 8 sessions aggregate", statistics.median(routes), w["batched_tps"], "tok/s", 1.7)
+    note = "(whole: 1 thread on core 0; nodes: core 0 and core 1, default threads = 1)"
+    rep.add("2 machines (pinned): decode, `meshnode generate`", cli["tps"], w["decode_tps"], "tok/s", 0.92,
+            note=note)
+    rep.add("2 machines (pinned): 8 sessions aggregate", statistics.median(routes), w["batched_tps"], "tok/s", 1.7,
+            note=note)
     rep.add(f"2 machines (pinned): prefill {n_pre} tokens, whole/route", r_pre, w["prefill_s"], "s", 1.5,
-            ratio=w["prefill_s"] / r_pre)
+            ratio=w["prefill_s"] / r_pre, note=note)
     return {"whole": w, "cli": cli, "route_prefill_s": r_pre, "route_batched": routes, "load": load()}
 
 
@@ -183,7 +186,7 @@ def batched(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     print(f"  whole batched, tok/s by n_threads: {', '.join(f'{t}: {v:.1f}' for t, v in by_t.items())}; "
           f"route {statistics.median(routes):.1f} {[round(x, 1) for x in routes]}", flush=True)
     rep.add("one machine: 8 sessions aggregate decode", statistics.median(routes), by_t[best], "tok/s", 0.90,
-            note=f"(whole at {best} threads)")
+            note=f"(whole at {best} threads; nodes at their defaults)")
     return {"whole_by_threads": by_t, "route": routes, "load": load()}
 
 
@@ -192,11 +195,12 @@ def memory(rep: Report) -> dict[str, Any]:
 
     print(f"\n== memory: the synthetic 1.3 GB model (load average {load()})", flush=True)
     m = memory_bench.run(["--no-imports"])
+    m["load"] = load()
     for row in m["rows"]:
         if row["target"] is not None:
             name = row["process"].removesuffix(" (meshnode serve)")
             rep.add(f"memory: {name} node {row['layers']}, peak RSS MB", row["peak_mb"], m["rows"][0]["peak_mb"],
-                    "MB", row["target"], at_most=True)
+                    "MB", row["target"], at_most=True, note=f"(both: {' '.join(m['node_flags'][:4])})")
     return m
 
 
@@ -227,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out[name] = {"one-machine": one_machine, "pinned": pinned, "batched": batched}[name](model, ns.runs, rep)
     rep.print()
-    print(f"load average at end: {load()}")
+    print("load averages at each section's end: "
+          + "; ".join(f"{k} {v.get('load', '?') if isinstance(v, dict) else '?'}" for k, v in out.items())
+          + f"; now {load()}")
     if ns.json:
         print(json.dumps({"rows": rep.rows, "sections": out}, default=str))
     return 0
