@@ -40,10 +40,9 @@ class ExecConfig:
     #: concurrent sessions (KV sequences) this executor holds
     max_sessions: int = 4
     #: threads for single-token decode: half the physical cores this process may use (Llama's default is
-    #: cpu_count // 2). All of them decode faster when the node has the cores to itself (2 vs 1 on 2 vCPUs:
-    #: a route 71 vs 46 tok/s), but when other busy processes share them, an OpenMP team of every core
-    #: sleeps and wakes at its barriers and decode collapses (4-10 tok/s measured): docs/performance.md,
-    #: "Threads". ``--threads`` sets it.
+    #: cpu_count // 2). All of them can decode faster when the node has the cores to itself, but when other
+    #: busy processes share them, an OpenMP team of every core sleeps and wakes at its barriers and decode
+    #: collapses (4-10 tok/s measured on 2 vCPUs): docs/performance.md, "Threads". ``--threads`` sets it.
     n_threads: int = max(_cores() // 2, 1)
     #: threads for prompt processing (Llama's default: cpu_count; here the CPUs this process may use)
     n_threads_batch: int = _cpus()

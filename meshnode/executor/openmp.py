@@ -9,9 +9,10 @@ default (300,000 rounds, ~3 ms) suits one process that has the machine to
 itself, as the whole model in ``Llama`` does. It does not suit two hops of a
 route on one machine: the hop that just finished keeps a core spinning for
 milliseconds while the next hop computes on all of them. Measured on 2 vCPUs
-(docs/performance.md, "Threads"): a two-hop route decoding on 2 threads per
-hop made 38 tok/s with the default spin and 71 with 10,000 rounds (~0.1 ms),
-beside 79 for the whole model.
+with a bare pipe between head and tail (``python -m bench.interference
+--threads 2 [--spin N]``; docs/performance.md, "Threads"): 42 tok/s with the
+default spin, 70-89 with 10,000 rounds (~0.1 ms), beside 76-87 for the whole
+model.
 
 libgomp reads the variable once, when it is loaded (``import llama_cpp``), so
 ``configure`` runs at the very start of a node process; a value the user set
