@@ -131,20 +131,12 @@ def run_whole(model: Path, ns: argparse.Namespace, threads: int, threads_batch: 
 
 def run_route(model: Path, cuts: list[str], ns: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     """Start one node per range, generate across them with the CLI, read every node, stop them."""
+    from bench.paths import generate  # not at the top: the whole-model child imports this module
     from meshnode.launch import local_route
-
-    with local_route(model, cuts, extra=extra) as nodes, tempfile.TemporaryDirectory(prefix="meshnode-gen-") as st:
+    with local_route(model, cuts, extra=extra) as nodes:
         peers = [n.endpoint for n in nodes]
         started = [proc_status_mb(n.proc.pid) for n in nodes]
-        cmd = [sys.executable, "-m", "meshnode", "generate", *(a for p in peers for a in ("--peer", p)),
-               "--prompt", ns.prompt, "--json", "--temperature", "0", "--max-tokens", str(ns.max_tokens)]
-        env = {**os.environ, "XDG_STATE_HOME": st}  # the initiator's key: not in ~/.local/state
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, check=False)
-        seconds = time.perf_counter() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"meshnode generate failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
-        gen = json.loads(proc.stdout.strip().splitlines()[-1])
+        seconds, gen = generate(peers, ns.prompt, ns.max_tokens)
         hops = [{"layers": c, "endpoint": n.endpoint, "pid": n.proc.pid, "status_serving": s,
                  "status": proc_status_mb(n.proc.pid), "smaps": smaps_mb(n.proc.pid)}
                 for c, n, s in zip(cuts, nodes, started, strict=True)]

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,9 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 #: greedy SmolLM2 runs on past 200 tokens after this prompt without an end-of-generation token
 PROMPT = "The three primary colors are"
 SHORT, LONG = 16, 208
-LONG_TEXT = ("The history of the printing press begins in the fifteenth century, when movable metal type made it "
-             "possible to reproduce books quickly and cheaply. Within a few decades, presses had spread to hundreds "
-             "of cities across Europe, and the number of books in circulation grew from thousands to millions. ")
 
 
 def _child(args: Sequence[str], cpus: Sequence[int] = ()) -> dict[str, Any]:
@@ -57,7 +56,9 @@ def whole_batched(model: Path, sessions: int, threads: int, tokens: int, cpus: S
 
 
 def long_prompt(repeat: int) -> str:
-    """A prompt of ``repeat`` copies of a paragraph (~55 tokens each)."""
+    """A prompt of ``repeat`` copies of route_bench's paragraph (~79 tokens each)."""
+    from bench.route_bench import LONG_TEXT
+
     return LONG_TEXT * repeat
 
 
@@ -82,12 +83,18 @@ def whole_prefill(model: Path, repeat: int, threads: int, n_ctx: int, cpus: Sequ
 
 def generate(peers: Sequence[str], prompt: str, max_tokens: int,
              cpus: Sequence[int] = ()) -> tuple[float, dict[str, Any]]:
-    """One ``meshnode generate`` process, greedy: (wall seconds, its --json result)."""
+    """One ``meshnode generate`` process, greedy: (wall seconds, its --json result). Its initiator key lives
+    in a temporary state directory, not the user's ~/.local/state."""
     cmd = [*taskset(cpus), sys.executable, "-m", "meshnode", "generate", *[a for p in peers for a in ("--peer", p)],
            "--prompt", prompt, "--max-tokens", str(max_tokens), "--temperature", "0", "--json"]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return time.perf_counter() - t0, json.loads(out)
+    with tempfile.TemporaryDirectory(prefix="meshnode-gen-") as state:
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "XDG_STATE_HOME": state})
+        seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"meshnode generate failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+    return seconds, json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def cli_decode(peers: Sequence[str], runs: int, cpus: Sequence[int] = ()) -> dict[str, Any]:
@@ -109,7 +116,9 @@ def api_gateway(peers: Sequence[str], cpus: Sequence[int] = ()) -> Iterator[str]
     """``meshnode api --peer ...`` on 127.0.0.1, port 0; yields its base URL."""
     cmd = [*taskset(cpus), sys.executable, "-m", "meshnode", "api", *[a for p in peers for a in ("--peer", p)],
            "--listen", "127.0.0.1:0"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    state = tempfile.TemporaryDirectory(prefix="meshnode-api-")  # its initiator key: not the user's
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "XDG_STATE_HOME": state.name})
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -121,6 +130,7 @@ def api_gateway(peers: Sequence[str], cpus: Sequence[int] = ()) -> Iterator[str]
     finally:
         proc.terminate()
         proc.wait(10)
+        state.cleanup()
 
 
 def api_decode(peers: Sequence[str], runs: int, cpus: Sequence[int] = ()) -> dict[str, Any]:

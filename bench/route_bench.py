@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._setup import model_and_cuts, print_header, thread_counts
+from bench.memory_bench import proc_status_mb
 
 SHORT_PROMPT = "The three primary colors are"
 LONG_TEXT = (
@@ -86,7 +87,7 @@ def whole_child(model: str, n_tokens: int, threads: int, threads_batch: int) -> 
     prefill, long_dec, long_toks = run(long)
     return {"short_ids": short, "long_ids": long, "prefill_s": prefill, "decode_tps": n_tokens / short_dec,
             "decode_long_tps": n_tokens / long_dec, "short_tokens": short_toks, "long_tokens": long_toks,
-            "rss_mb": proc_status_mb("self")[0],
+            "rss_mb": proc_status_mb("self")["VmHWM"],
             "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -186,14 +187,6 @@ def where_time_goes(per_token_ms: float, hops: list[dict[str, Any]]) -> str:
     return "route per token, ms: " + "; ".join(parts)
 
 
-def proc_status_mb(pid: int | str) -> tuple[float, float]:
-    """(VmHWM, VmRSS) of a process in MB. VmHWM belongs to the process image: unlike ``ru_maxrss``, which
-    after fork+exec also carries the parent's peak, it does not inherit the launching process's memory."""
-    kb = {k: int(v.split()[0]) for k, _, v in (ln.partition(":") for ln in Path(f"/proc/{pid}/status").open())
-          if k in ("VmHWM", "VmRSS")}
-    return kb["VmHWM"] / 1024, kb["VmRSS"] / 1024
-
-
 # -- driver ---------------------------------------------------------------------------------------------------
 
 
@@ -237,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {r + 1}/{ns.runs} ({' then '.join(order)}): decode whole {wholes[-1]['decode_tps']:.1f} "
                   f"route {routes[-1]['decode_tps']:.1f} tok/s; prefill-256 whole {wholes[-1]['prefill_s']:.3f} "
                   f"route {routes[-1]['prefill_s']:.3f} s", flush=True)
-        node_rss = [proc_status_mb(n.proc.pid) for n in nodes]
+        node_rss = [(st['VmHWM'], st['VmRSS']) for st in map(proc_status_mb, (n.proc.pid for n in nodes))]
 
     def med(rows: list[dict[str, Any]], key: str, i: int | None = None) -> float:
         return statistics.median(row[key] if i is None else row[key][i] for row in rows)
