@@ -105,12 +105,14 @@ def run_whole(model: Path, n_tokens: int, threads: int, threads_batch: int) -> d
 async def _session(peers: list[str], caps: list[Any], prompt: list[int], n_tokens: int) -> dict[str, Any]:
     import numpy as np
 
+    from meshnode.identity import NodeIdentity
     from meshnode.proto import node_pb2 as pb
     from meshnode.session.initiator import GenerateConfig, RouteSession
     from meshnode.wire import codec
     from meshnode.wire.tensors import encode_bundle
 
-    rs = RouteSession(peers, caps, GenerateConfig(prompt="", max_tokens=n_tokens))
+    # a key of its own, as batch_bench's: not the user's node key in ~/.local/state
+    rs = RouteSession(peers, caps, GenerateConfig(prompt="", max_tokens=n_tokens), NodeIdentity.generate())
     try:
         await rs.open()
         chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)

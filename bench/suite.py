@@ -78,17 +78,18 @@ def best_whole(model: Path, runs: int, tokens: int) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0))
     by_t: dict[int, list[float]] = {t: [] for t in range(1, cores + 1)}
     tokens_seen: list[int] = []
+    ids: list[int] = []
     for _ in range(runs):  # interleaved, so a busy moment of the host does not land on one thread count
         for t in by_t:
             r = paths.whole_decode(model, t, tokens)
             by_t[t].append(r["decode_tps"])
-            tokens_seen = r["short_tokens"]
+            tokens_seen, ids = r["short_tokens"], r["short_ids"]
     med = {t: statistics.median(v) for t, v in by_t.items()}
     best = max(med, key=lambda t: med[t])
     print("  whole model (Llama), decode tok/s by n_threads: "
           + ", ".join(f"{t}: {m:.1f} {[round(x, 1) for x in by_t[t]]}" for t, m in med.items())
           + f" -> best {best} threads", flush=True)
-    return {"threads": best, "tps": med[best], "by_threads": med, "tokens": tokens_seen}
+    return {"threads": best, "tps": med[best], "by_threads": med, "tokens": tokens_seen, "ids": ids}
 
 
 def same_tokens(route: list[int], whole: list[int]) -> bool:
@@ -114,7 +115,7 @@ def one_machine(model: Path, runs: int, rep: Report) -> dict[str, Any]:
         print(f"  route via the OpenAI API (by difference): {api['tps']:.1f} tok/s "
               f"{[round(x, 1) for x in api['runs']]}",
               flush=True)
-        ids = paths.whole_decode(model, 1, 2)["short_ids"]
+        ids = whole["ids"]
         inproc = statistics.median(run_route(peers, ids, ids, paths.LONG)["decode_tps"] for _ in range(runs))
         print(f"  route via bench.route_bench's in-process initiator: {inproc:.1f} tok/s", flush=True)
     cores = len(os.sched_getaffinity(0))
@@ -176,10 +177,10 @@ def batched(model: Path, runs: int, rep: Report) -> dict[str, Any]:
 
     print(f"\n== 8 concurrent sessions, one machine, unpinned (load average {load()})", flush=True)
     cores = len(os.sched_getaffinity(0))
-    by_t = {t: statistics.median(paths.whole_batched(model, 8, t, 64)["tps"] for _ in range(runs))
-            for t in range(1, cores + 1)}
+    runs_by_t = {t: [paths.whole_batched(model, 8, t, 64) for _ in range(runs)] for t in range(1, cores + 1)}
+    by_t = {t: statistics.median(r["tps"] for r in rs) for t, rs in runs_by_t.items()}
     best = max(by_t, key=lambda t: by_t[t])
-    ids = paths.whole_batched(model, 8, best, 2)["ids"]
+    ids = runs_by_t[best][0]["ids"]  # the prompts' ids, as the whole model tokenized them
     with local_route(model, ["0:15", "15:30"], extra=["--ctx-size", "512", "--max-sessions", "8"]) as nodes:
         peers = [n.endpoint for n in nodes]
         routes = [run_route(peers, ids, [8], 64, warm=i == 0)["by_n"]["8"]["tps"] for i in range(runs)]
