@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import statistics
@@ -41,6 +42,16 @@ def cpu_features(system_info: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"([A-Z0-9_]+) = 1", system_info)]
 
 
+def host_id() -> str:
+    """One value per running machine: a hash of the kernel's boot id (it says nothing else of the
+    machine; a reboot changes it). Nodes in containers of one host share it."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+    return hashlib.sha256(b"meshnode host\0" + boot.encode()).hexdigest()[:16]
+
+
 def hardware() -> pb.Hardware:
     mem = _meminfo()
     return pb.Hardware(
@@ -50,6 +61,8 @@ def hardware() -> pb.Hardware:
         memory_total_bytes=mem.get("MemTotal", 0),
         memory_available_bytes=mem.get("MemAvailable", 0),
         devices=[pb.Device(**d) for d in _bindings.backend_devices()],
+        host_id=host_id(),
+        cpus=sorted(os.sched_getaffinity(0)),
     )
 
 

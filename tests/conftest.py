@@ -8,7 +8,7 @@ the end of its fixture's scope.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +122,8 @@ def node_factory(model: Path) -> Iterator[Callable[..., NodeProcess]]:
     started: list[NodeProcess] = []
 
     def make(layers: str | None, *, source: Path | None = None, extra: tuple[str, ...] = (),
-             command: str = "serve") -> NodeProcess:
-        n = start_node(source or model, layers, extra=extra, command=command)
+             command: str = "serve", cpus: Sequence[int] = ()) -> NodeProcess:
+        n = start_node(source or model, layers, extra=extra, command=command, cpus=cpus)
         started.append(n)
         return n
 

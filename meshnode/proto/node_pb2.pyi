@@ -365,6 +365,8 @@ class Hardware(_message.Message):
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    CPUS_FIELD_NUMBER: _builtins.int
     cpu_model: _builtins.str
     """/proc/cpuinfo model name"""
     cores: _builtins.int
@@ -373,6 +375,8 @@ class Hardware(_message.Message):
     """MemTotal"""
     memory_available_bytes: _builtins.int
     """MemAvailable when measured"""
+    host_id: _builtins.str
+    """same on every node of one running machine, else different: a hash"""
     @_builtins.property
     def cpu_features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """instruction-set features llama.cpp was built to use (system info)"""
@@ -380,6 +384,12 @@ class Hardware(_message.Message):
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]:
         """every ggml backend device (CPU included)"""
+
+    @_builtins.property
+    def cpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """of the kernel's boot id (no other machine identifier)
+        the CPUs this node's process may run on (its affinity: cpuset, taskset)
+        """
 
     def __init__(
         self,
@@ -390,10 +400,12 @@ class Hardware(_message.Message):
         memory_total_bytes: _builtins.int = ...,
         memory_available_bytes: _builtins.int = ...,
         devices: _abc.Iterable[Global___Device] | None = ...,
+        host_id: _builtins.str = ...,
+        cpus: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cores", b"cores", "cpu_features", b"cpu_features", "cpu_model", b"cpu_model", "devices", b"devices", "memory_available_bytes", b"memory_available_bytes", "memory_total_bytes", b"memory_total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cores", b"cores", "cpu_features", b"cpu_features", "cpu_model", b"cpu_model", "cpus", b"cpus", "devices", b"devices", "host_id", b"host_id", "memory_available_bytes", b"memory_available_bytes", "memory_total_bytes", b"memory_total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,8 +5,13 @@ Runs as asyncio coroutines on the node's asyncio data-plane thread
 trio. Per frame:
 
     read upstream -> validate -> llama.cpp (inline for a decode step, else the worker thread)
-      -> (non-tail) write the residual downstream, read its result
-      -> write the result upstream
+      -> (non-tail) send the residual downstream           <- ``start`` returns here
+      -> the next hop's result -> write the result upstream (in order)
+
+``start`` returns once the residual is on its way, with an awaitable of the
+step's reply, so the stream's next step may start while the next hop is still
+computing this one: a prompt's chunk *k + 1* here while chunk *k* is computed
+further on (``transport/stream.py`` keeps the next hop's replies in order).
 
 A failing step is answered with a typed ``Error`` frame; only terminal
 errors end the stream. ``close()`` frees the KV slot and closes the
@@ -28,10 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-import grpc
 import numpy as np
 
 from meshnode import errors
@@ -40,11 +45,10 @@ from meshnode.executor.sampler import Chain
 from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import accept, check_open, forward_proof, parse_open
 from meshnode.proto import node_pb2 as pb
-from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.flow import Flow
 from meshnode.session.sampling import SamplingParams
 from meshnode.session.sampling import from_pb as sampling_from_pb
-from meshnode.transport.client import open_channel
+from meshnode.transport.stream import FrameStream
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import NP_DTYPES, decode_bundle, encode_bundle
@@ -81,33 +85,12 @@ def negotiate(a: pb.FlowLimits, b: pb.FlowLimits) -> pb.FlowLimits:
     )
 
 
-@dataclass
-class Downstream:
-    channel: grpc.aio.Channel
-    call: grpc.aio.StreamStreamCall
-    endpoint: str
+T = TypeVar("T")
 
-    async def exchange(self, frame: pb.SessionFrame, timeout: float | None) -> pb.SessionReply:
-        try:
-            await self.call.write(frame)
-            async with asyncio.timeout(timeout):  # in this task: wait_for would start one per read
-                reply = await self.call.read()
-        except TimeoutError:
-            raise errors.DeadlineError(f"no answer within {timeout:.1f}s", hop=self.endpoint) from None
-        except grpc.aio.AioRpcError as e:
-            raise errors.PeerError(f"stream failed: {e.code().name} {e.details()}", hop=self.endpoint) from e
-        except asyncio.InvalidStateError as e:  # grpc: the call ended (the peer died) before this write
-            raise errors.PeerError("the session stream ended (peer gone)", hop=self.endpoint) from e
-        if reply is grpc.aio.EOF:
-            raise errors.PeerError("closed the session stream", hop=self.endpoint)
-        assert isinstance(reply, pb.SessionReply)
-        return reply
 
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.call.done_writing()
-        self.call.cancel()
-        await self.channel.close(grace=None)
+async def _ready(value: T) -> T:
+    """An awaitable of a value that is already there (a tail's result, a duplicate's answer)."""
+    return value
 
 
 UINT64 = 2**64 - 1
@@ -131,7 +114,7 @@ class HopSession:
     slot: int | None = None
     open_msg: pb.SessionOpen | None = None
     negotiated: pb.FlowLimits = field(default_factory=pb.FlowLimits)
-    downstream: Downstream | None = None
+    downstream: FrameStream | None = None
     last_step_id: int = 0
     last_result: pb.StepResult | None = None
     cancelled_work: set[str] = field(default_factory=set)
@@ -247,9 +230,7 @@ class HopSession:
         nxt_open = parse_open(nxt.signed_open)  # the next hop checks it in full; this one needs it whole
         if nxt_open.initiator_node_id != self.route_open.initiator_node_id:
             raise errors.OpenForgedError("the next hop's open is signed by another initiator")
-        channel = open_channel(nxt.endpoint)
-        call = pb_grpc.NodeStub(channel).Session()
-        self.downstream = Downstream(channel, call, nxt.endpoint)
+        self.downstream = FrameStream(nxt.endpoint)
         fwd = pb.SessionOpen()
         fwd.CopyFrom(o)
         fwd.range.CopyFrom(nxt.range)
@@ -270,6 +251,16 @@ class HopSession:
     # -- steps ------------------------------------------------------------------
 
     async def step(self, frame: pb.SessionFrame) -> pb.SessionReply:
+        """One step, answered once every hop after this one has answered it."""
+        return await (await self.start(frame))
+
+    async def start(self, frame: pb.SessionFrame) -> Awaitable[pb.SessionReply]:
+        """This hop's part of a step: checks, llama.cpp, the residual sent on downstream.
+
+        Returns an awaitable of the step's reply, which waits for the next hop's
+        answer: meanwhile this hop may start the session's next step (a prompt
+        chunk *k + 1* here while the next hop computes chunk *k*). Await it once.
+        """
         s = frame.step
         if frame.route_epoch != self.epoch:
             raise errors.EpochStaleError(f"route epoch {frame.route_epoch} is stale (session is at {self.epoch})")
@@ -278,19 +269,25 @@ class HopSession:
             raise errors.DeadlineError(f"step {s.step_id} arrived {-left:.3f}s past its deadline")
         if s.step_id <= self.last_step_id:
             dup = pb.StepResult(step_id=s.step_id, duplicate=True)
-            if self.last_result is not None and s.step_id == self.last_step_id:
+            if self.last_result is not None and s.step_id == self.last_result.step_id:
                 dup.CopyFrom(self.last_result)
                 dup.duplicate = True
-            return pb.SessionReply(route_session_id=self.session_id, result=dup)
+            return _ready(pb.SessionReply(route_session_id=self.session_id, result=dup))
         if s.work_id and s.work_id in self.cancelled_work:
             raise errors.CancelledError(f"work item {s.work_id} was cancelled")
         t0 = time.perf_counter_ns()
-        result = await self._execute(frame, left)
+        rest = await self._execute(frame, left)
+        self.last_step_id = s.step_id
+        return self._answer(rest, t0)
+
+    async def _answer(self, rest: Awaitable[pb.StepResult], t0: int) -> pb.SessionReply:
+        result = await rest
         result.timings[0].handle_nanos = time.perf_counter_ns() - t0
-        self.last_step_id, self.last_result = s.step_id, result
+        if result.step_id == self.last_step_id:
+            self.last_result = result
         return pb.SessionReply(route_session_id=self.session_id, result=result)
 
-    async def _execute(self, frame: pb.SessionFrame, left: float | None) -> pb.StepResult:
+    async def _execute(self, frame: pb.SessionFrame, left: float | None) -> Awaitable[pb.StepResult]:
         s = frame.step
         assert self.slot is not None
         assert self.open_msg is not None
@@ -326,7 +323,7 @@ class HopSession:
         assert out.logits is not None
         result = pb.StepResult(step_id=s.step_id, timings=[timing])
         if s.replay:
-            return result  # rebuilt this hop's KV; the token was sampled before the failover
+            return _ready(result)  # rebuilt this hop's KV; the token was sampled before the failover
         if s.sample:
             vocab = ex.vocab
             assert vocab is not None
@@ -337,9 +334,9 @@ class HopSession:
             result.end_of_generation = vocab.is_eog(tok)
         if self.open_msg.return_logits:
             result.logits.CopyFrom(encode_bundle(out.logits[None, :], max_chunk_bytes=1 << 30))
-        return result
+        return _ready(result)
 
-    async def _replay_cached(self, frame: pb.SessionFrame, left: float | None) -> pb.StepResult:
+    async def _replay_cached(self, frame: pb.SessionFrame, left: float | None) -> Awaitable[pb.StepResult]:
         """A replay step for positions this hop holds: pass the stored rows on (tail: acknowledge)."""
         s = frame.step
         pos = s.cache.n_past
@@ -354,7 +351,7 @@ class HopSession:
             raise errors.ShapeError("a replay step carries no positions")
         timing = pb.HopTiming(endpoint=self.endpoint, n_tokens=n)
         if self.downstream is None:
-            return pb.StepResult(step_id=s.step_id, timings=[timing])
+            return _ready(pb.StepResult(step_id=s.step_id, timings=[timing]))
         rows = self.history.get(pos)
         if rows is None or len(rows) != n:
             raise errors.CacheMissError(f"no stored output for a {n}-position chunk at position {pos}; replay "
@@ -362,23 +359,29 @@ class HopSession:
         return await self._forward(frame, rows, pos, timing, left)
 
     async def _forward(self, frame: pb.SessionFrame, residual: np.ndarray, n_past: int,
-                       timing: pb.HopTiming, left: float | None) -> pb.StepResult:
+                       timing: pb.HopTiming, left: float | None) -> Awaitable[pb.StepResult]:
+        """Send the residual on; returns the awaitable of the next hop's result (with this hop's timing)."""
         assert self.downstream is not None
         assert self.open_msg is not None
         s = frame.step
         if s.replay and s.replay_hops == 1:  # no hop further on lacks these positions
-            return pb.StepResult(step_id=s.step_id, timings=[timing])
+            return _ready(pb.StepResult(step_id=s.step_id, timings=[timing]))
         bundle = encode_bundle(residual, dtype=self.open_msg.wire_dtype or pb.DTYPE_F32, pos_start=n_past,
                                max_chunk_bytes=self.negotiated.max_chunk_bytes)
         fwd = pb.Step(step_id=s.step_id, work_id=s.work_id, cache=s.cache, activation=bundle,
                       sample=s.sample and not s.replay, deadline_unix_nanos=s.deadline_unix_nanos, replay=s.replay,
                       replay_hops=max(s.replay_hops - 1, 0))
-        out = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd)
-        reply = await self.downstream.exchange(out, left if left is not None else self.limits.step_timeout)
+        down = self.downstream
+        reply = await down.send(pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd))
+        return self._downstream_result(down, reply, timing, left)
+
+    async def _downstream_result(self, down: FrameStream, fut: asyncio.Future[pb.SessionReply],
+                                 timing: pb.HopTiming, left: float | None) -> pb.StepResult:
+        reply = await down.wait(fut, left if left is not None else self.limits.step_timeout)
         if reply.HasField("error"):
             raise codec.error_from_pb(reply.error)
         if not reply.HasField("result"):
-            raise errors.PeerError("answered a step with something else", hop=self.downstream.endpoint)
+            raise errors.PeerError("answered a step with something else", hop=down.endpoint)
         result = reply.result
         result.timings.insert(0, timing)
         return result

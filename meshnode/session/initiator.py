@@ -23,6 +23,7 @@ end-of-generation, stop strings, max_tokens).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -30,7 +31,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-import grpc
 import numpy as np
 
 from meshnode import errors
@@ -40,21 +40,15 @@ from meshnode.identity.attest import check_attested
 from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_control, sign_route
 from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
-from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.routing.chain import PeerView, check_chain
 from meshnode.routing.choose import Candidate
 from meshnode.routing.failover import Backoff, can_fail_over, replacement, replay_depths, spare_candidates
+from meshnode.routing.overlap import share_cores
 from meshnode.session.completion import Completion
 from meshnode.session.sampling import GREEDY, SamplingParams, check_sampling, check_stops
 from meshnode.session.sampling import to_pb as sampling_pb
-from meshnode.transport.client import (
-    get_capability,
-    open_channel,
-    release,
-    tokenize_chat,
-    tokenize_with_bos,
-    translate,
-)
+from meshnode.transport.client import get_capability, release, tokenize_chat, tokenize_with_bos
+from meshnode.transport.stream import FrameStream
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import decode_bundle
@@ -84,6 +78,10 @@ class GenerateConfig:
     return_logits: bool = False
     #: delegated decode: the head runs the decode loop (Generate); False = one Step per token from here
     delegate: bool = True
+    #: prefill with several prompt chunks in flight (the negotiated credits), so the hops compute
+    #: different chunks at once, unless two hops share CPU cores (then it is slower: routing/overlap.py);
+    #: False = one chunk at a time. Same chunks either way (bit-identical)
+    pipeline: bool = True
     #: when a failed hop has no spare: seconds to wait for it to come back (a restart), then replay
     rejoin_wait: float = 5.0
     #: chat: (role, content) messages, rendered by the tail with the model's own chat template as
@@ -159,32 +157,17 @@ class RouteSession:
         self.limits = pb.FlowLimits()
         #: Generate results read and not yet acknowledged with a CreditGrant
         self._owed = 0
-        self._channel = open_channel(peers[0])
-        self._call = pb_grpc.NodeStub(self._channel).Session()
+        self._stream = FrameStream(peers[0])
 
     async def _write(self, frame: pb.SessionFrame) -> None:
-        try:
-            await self._call.write(frame)
-        except grpc.aio.AioRpcError as e:
-            raise translate(e, self.peers[0], "Session") from e
-        except asyncio.InvalidStateError as e:  # grpc: the call already ended (the head died)
-            raise errors.PeerError("the session stream ended (peer gone)", hop=self.peers[0]) from e
+        await self._stream.write(frame)
 
     async def _exchange(self, frame: pb.SessionFrame) -> pb.SessionReply:
         await self._write(frame)
         return await self._read()
 
     async def _read(self) -> pb.SessionReply:
-        try:
-            async with asyncio.timeout(self.cfg.step_timeout):  # in this task: wait_for would start one per read
-                reply = await self._call.read()
-        except TimeoutError:
-            raise errors.DeadlineError(f"no answer within {self.cfg.step_timeout}s", hop=self.peers[0]) from None
-        except grpc.aio.AioRpcError as e:
-            raise translate(e, self.peers[0], "Session") from e
-        if reply is grpc.aio.EOF:
-            raise errors.PeerError("closed the session stream", hop=self.peers[0])
-        assert isinstance(reply, pb.SessionReply)
+        reply = await self._stream.read(self.cfg.step_timeout)
         if reply.HasField("error"):
             raise codec.error_from_pb(reply.error)
         return reply
@@ -217,15 +200,47 @@ class RouteSession:
         self.history.append(list(tokens))
         return result
 
+    async def prefill(self, chunks: Sequence[Sequence[int]], *, window: int | None = None) -> pb.StepResult:
+        """Feed prompt chunks with up to ``window`` unanswered at once (default: the negotiated
+        credits), so hop *i + 1* computes chunk *k* while hop *i* computes chunk *k + 1*; the last
+        chunk samples. Every chunk is the step it would be alone (same chunking, so the same
+        numerics); only the waiting overlaps. Returns the last chunk's result.
+        """
+        window = max(window or self.limits.credits or len(chunks), 1)
+        unanswered: collections.deque[tuple[int, Sequence[int]]] = collections.deque()
+        pos, result = self.n_past, None
+        for i, chunk in enumerate(chunks):
+            if len(unanswered) >= window:
+                result = self._took(await self._answer(unanswered[0][0]), *unanswered.popleft())
+            unanswered.append((await self._send_step(chunk, pos, sample=i == len(chunks) - 1), chunk))
+            pos += len(chunk)
+        while unanswered:
+            result = self._took(await self._answer(unanswered[0][0]), *unanswered.popleft())
+        if result is None:
+            raise errors.InputError("no prompt chunks to feed")
+        return result
+
+    def _took(self, result: pb.StepResult, step_id: int, chunk: Sequence[int]) -> pb.StepResult:
+        self.n_past += len(chunk)
+        self.history.append(list(chunk))
+        return result
+
     async def _step(self, tokens: Sequence[int], pos: int, *, sample: bool, replay: int = 0) -> pb.StepResult:
         """One step; ``replay`` > 0: a replay that must reach that many hops."""
+        return await self._answer(await self._send_step(tokens, pos, sample=sample, replay=replay))
+
+    async def _send_step(self, tokens: Sequence[int], pos: int, *, sample: bool, replay: int = 0) -> int:
         self.step_id += 1
         s = pb.Step(step_id=self.step_id, tokens=list(tokens), sample=sample, replay=replay > 0, replay_hops=replay,
                     cache=pb.CacheExpectation(n_past=pos),
                     deadline_unix_nanos=codec.deadline_in(self.cfg.step_timeout))
-        reply = await self._exchange(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, step=s))
-        if not reply.HasField("result") or reply.result.step_id != self.step_id:
-            raise errors.PeerError(f"answered step {self.step_id} with something else", hop=self.peers[0])
+        await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, step=s))
+        return self.step_id
+
+    async def _answer(self, step_id: int) -> pb.StepResult:
+        reply = await self._read()
+        if not reply.HasField("result") or reply.result.step_id != step_id:
+            raise errors.PeerError(f"answered step {step_id} with something else", hop=self.peers[0])
         return reply.result
 
     async def resume(self, peers: Sequence[str], caps: Sequence[pb.Capability]) -> int:
@@ -237,8 +252,7 @@ class RouteSession:
         self.peers, self.caps = list(peers), list(caps)
         self.epoch += 1
         self._owed = 0
-        self._channel = open_channel(self.peers[0])
-        self._call = pb_grpc.NodeStub(self._channel).Session()
+        self._stream = FrameStream(self.peers[0])
         t0 = time.perf_counter()
         accepted = await self.open(resume=True)
         log.info("resumed route open in %.3fs; hops hold %s positions", time.perf_counter() - t0,
@@ -298,8 +312,7 @@ class RouteSession:
             await self.close()
 
     async def close(self) -> None:
-        self._call.cancel()
-        await self._channel.close(grace=None)
+        await self._stream.close()
 
     async def abandon(self, timeout: float = ABANDON_TIMEOUT) -> None:
         """Give the session up for good (the user stopped it) and free its KV on every hop now, not
@@ -428,12 +441,10 @@ class _Run:
         while True:
             try:
                 done = False
-                while len(rs.history) < len(self.chunks):
-                    i = len(rs.history)
-                    result = await rs.step(self.chunks[i], sample=i == len(self.chunks) - 1)
-                    if i == len(self.chunks) - 1:
-                        prefill = time.perf_counter() - t0
-                        done = self._take(result)
+                if len(rs.history) < len(self.chunks):
+                    result = await rs.prefill(self.chunks[len(rs.history):], window=None if self._pipeline() else 1)
+                    prefill = time.perf_counter() - t0
+                    done = self._take(result)
                 t1 = time.perf_counter() if not prefill else t0 + prefill
                 while not done:
                     done = await self._decode()
@@ -456,6 +467,10 @@ class _Run:
             failovers=[{k: v for k, v in asdict(f).items() if k != "detected_at"} for f in self.failovers],
             seed=seed_of(cfg),
         )
+
+    def _pipeline(self) -> bool:
+        """Several prompt chunks in flight: asked for, and no two hops share cores (routing/overlap.py)."""
+        return self.cfg.pipeline and not share_cores([(c.hardware.host_id, c.hardware.cpus) for c in self.rs.caps])
 
     async def _decode(self) -> bool:
         """Decode until done or the stream of results ends; True when the generation is over."""

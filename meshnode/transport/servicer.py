@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,27 +41,37 @@ log = logging.getLogger("meshnode.node")
 
 
 class _Writer:
-    """Writes one stream's replies in order (a running Generate and the read loop both answer),
-    and counts what is written into the node's metrics.
+    """Writes one stream's replies in order (a running Generate, the read loop and steps still
+    waiting for the next hop all answer), and counts what is written into the node's metrics.
 
     ``post`` queues a reply and returns at once: a Generate goes on to its next token while its
     last result is still being sent (the send's completion would otherwise sit on every token's
-    critical path). ``write`` queues and waits until everything queued so far is sent. A failed
-    send ends the stream: every later ``post`` or ``write`` raises PeerError.
+    critical path). ``post_later`` queues a reply that is not there yet (an awaitable of it: a
+    step the next hop is still computing), so the session's next step can start meanwhile; the
+    replies behind it wait their turn. ``write`` queues and waits until everything queued so far
+    is sent. A failed send ends the stream: every later ``post`` or ``write`` raises PeerError.
     """
 
     def __init__(self, context: Any, metrics: NodeMetrics) -> None:
         self._context = context
         self._metrics = metrics
-        self._pending: collections.deque[pb.SessionReply] = collections.deque()
+        self._pending: collections.deque[tuple[pb.SessionReply | Awaitable[pb.SessionReply],
+                                               Callable[[], None] | None]] = collections.deque()
         self._pump_task: asyncio.Task[None] | None = None
         self._failed: str | None = None
 
-    def post(self, reply: pb.SessionReply) -> None:
+    def post(self, reply: pb.SessionReply, before: Callable[[], None] | None = None) -> None:
+        """Queue ``reply``; ``before`` runs right before it is written (or dropped)."""
+        self.post_later(reply, before)
+
+    def post_later(self, reply: pb.SessionReply | Awaitable[pb.SessionReply],
+                   before: Callable[[], None] | None = None) -> None:
+        """Queue a reply or an awaitable of one (it must not raise); awaited in turn, then written."""
         if self._failed is not None:
+            if inspect.iscoroutine(reply):
+                reply.close()
             raise errors.PeerError(f"the stream to the previous hop broke: {self._failed}")
-        self._count(reply)
-        self._pending.append(reply)
+        self._pending.append((reply, before))
         if self._pump_task is None or self._pump_task.done():
             self._pump_task = asyncio.ensure_future(self._pump())
 
@@ -76,14 +87,31 @@ class _Writer:
             raise errors.PeerError(f"the stream to the previous hop broke: {self._failed}")
 
     async def _pump(self) -> None:
+        try:
+            while self._pending:
+                item, before = self._pending[0]
+                reply = item if isinstance(item, pb.SessionReply) else await item
+                self._pending.popleft()
+                if before is not None:
+                    before()
+                if self._failed is not None:
+                    continue  # nothing more goes out; what is owed is still awaited, in order
+                self._count(reply)
+                try:
+                    await self._context.write(reply)
+                except Exception as e:  # the RPC is over (peer gone, cancelled): nothing more goes out
+                    self._failed = repr(e)
+        finally:
+            self._drop()
+
+    def _drop(self) -> None:
+        """The pump was stopped: what is still queued is never written (its hooks still run)."""
         while self._pending:
-            reply = self._pending.popleft()
-            try:
-                await self._context.write(reply)
-            except Exception as e:  # the RPC is over (peer gone, cancelled): nothing more goes out
-                self._failed = repr(e)
-                self._pending.clear()
-                return
+            item, before = self._pending.popleft()
+            if inspect.iscoroutine(item):
+                item.close()
+            if before is not None:
+                before()
 
     def _count(self, reply: pb.SessionReply) -> None:
         m = self._metrics
@@ -106,6 +134,8 @@ class _Writer:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(task), timeout)
             task.cancel()
+            await asyncio.wait([task])
+        self._drop()
 
 
 #: seconds between looks for a freed slot while an open waits for one
@@ -121,17 +151,6 @@ async def _read(context: Any) -> Any:
         raise errors.WireError(f"a message on this stream is not a SessionFrame ({e})") from None
 
 
-class _Before:
-    """A writer that runs ``hook`` once, before the first reply it writes."""
-
-    def __init__(self, writer: _Writer, hook: Callable[[], None]) -> None:
-        self._writer, self._hook = writer, hook
-
-    async def write(self, reply: pb.SessionReply) -> None:
-        self._hook()
-        await self._writer.write(reply)
-
-
 @dataclass
 class _Control:
     """What the reader and the executing side of one session stream share."""
@@ -143,6 +162,14 @@ class _Control:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     #: work id of the running Generate (an in-band cancel of it stops it)
     work_id: str | None = None
+    #: frames in order, for the executing side (None: the stream is over)
+    queue: asyncio.Queue[pb.SessionFrame | errors.WireError | None] = field(default_factory=asyncio.Queue)
+    #: a step's reply, once the next hop answered, was a terminal error: the session is over
+    over: bool = False
+
+    def end(self) -> None:
+        self.over = True
+        self.queue.put_nowait(None)
 
 
 class NodeServicer(pb_grpc.NodeServicer):
@@ -326,9 +353,8 @@ class NodeServicer(pb_grpc.NodeServicer):
             if not await self._open(session, first, writer):
                 return
             ctl = _Control(Flow(session.negotiated.credits))
-            queue: asyncio.Queue[pb.SessionFrame | errors.WireError | None] = asyncio.Queue()
-            reader = asyncio.ensure_future(self._read_ahead(context, session, queue, writer, ctl))
-            while (frame := await queue.get()) is not None:
+            reader = asyncio.ensure_future(self._read_ahead(context, session, ctl.queue, writer, ctl))
+            while (frame := await ctl.queue.get()) is not None and not ctl.over:
                 if isinstance(frame, errors.WireError):  # answered in order, and the session is over
                     session.detachable = False
                     await writer.error(session, frame, terminal=True)
@@ -403,6 +429,12 @@ class NodeServicer(pb_grpc.NodeServicer):
                 ctl.generating, ctl.work_id = False, None
         if kind != "step":
             return await self._frame(session, frame, writer)
+        return await self._step(session, frame, writer, ctl)
+
+    async def _step(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
+        """Start a step; its reply is queued in order and written once the hops after this one answered
+        (``HopSession.start``), so the next step may start here meanwhile. False once the session is over."""
+        sid = session.session_id
         answered = False
 
         def answer() -> None:
@@ -412,9 +444,41 @@ class NodeServicer(pb_grpc.NodeServicer):
                 ctl.flow.answered()
 
         try:
-            return await self._frame(session, frame, _Before(writer, answer))
-        finally:
+            self._check_live(session, frame)
+            rest = await session.start(frame)
+        except errors.MeshnodeError as e:
+            err = codec.error_to_pb(e, hop=self.endpoint, step_id=frame.step.step_id)
+            writer.post(pb.SessionReply(route_session_id=sid, error=err), answer)
+            return not err.terminal
+        except Exception as e:  # a bug: answer, log, keep serving others
+            log.exception("internal error in session %s", sid)
+            session.detachable = False
+            writer.post(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
+                errors.MeshnodeError(f"internal error: {e!r}"), hop=self.endpoint, terminal=True)), answer)
+            return False
+        except BaseException:
             answer()
+            raise
+        writer.post_later(self._settle(session, frame, rest, ctl), answer)
+        return True
+
+    async def _settle(self, session: HopSession, frame: pb.SessionFrame, rest: Awaitable[pb.SessionReply],
+                      ctl: _Control) -> pb.SessionReply:
+        """A started step's reply once the next hop answered; an error reply if it failed (never raises)."""
+        sid = session.session_id
+        try:
+            return await rest
+        except errors.MeshnodeError as e:
+            err = codec.error_to_pb(e, hop=self.endpoint, step_id=frame.step.step_id)
+            if err.terminal:
+                ctl.end()
+            return pb.SessionReply(route_session_id=sid, error=err)
+        except Exception as e:  # a bug: answer, log, keep serving others
+            log.exception("internal error in session %s", sid)
+            session.detachable = False
+            ctl.end()
+            return pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
+                errors.MeshnodeError(f"internal error: {e!r}"), hop=self.endpoint, terminal=True))
 
     async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
         def over() -> None:
@@ -483,18 +547,20 @@ class NodeServicer(pb_grpc.NodeServicer):
         except errors.MeshnodeError:
             return True  # a forged open is refused anyway
 
-    async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: _Writer | _Before) -> bool:
-        """Answer one frame; False once the session is over."""
+    def _check_live(self, session: HopSession, frame: pb.SessionFrame) -> None:
+        sid = session.session_id
+        if frame.route_session_id != sid:
+            raise errors.SessionError(f"frame for session {frame.route_session_id!r} on the stream of {sid!r}")
+        if sid in self.cancelled or sid not in self.sessions:
+            raise errors.CancelledError(f"session {sid} was cancelled or released")
+
+    async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
+        """Answer one control frame (cancel, release); False once the session is over."""
         sid = session.session_id
         kind = frame.WhichOneof("body")
         try:
-            if frame.route_session_id != sid:
-                raise errors.SessionError(f"frame for session {frame.route_session_id!r} on the stream of {sid!r}")
-            if sid in self.cancelled or sid not in self.sessions:
-                raise errors.CancelledError(f"session {sid} was cancelled or released")
-            if kind == "step":
-                reply = await session.step(frame)
-            elif kind == "cancel":
+            self._check_live(session, frame)
+            if kind == "cancel":
                 if not frame.cancel.work_id:
                     session.detachable = False
                 await session.relay(frame)
@@ -517,8 +583,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             else:
                 raise errors.SessionError(f"unexpected frame {kind!r} inside an open session")
         except errors.MeshnodeError as e:
-            err = codec.error_to_pb(e, hop=self.endpoint,
-                                    step_id=frame.step.step_id if kind == "step" else 0)
+            err = codec.error_to_pb(e, hop=self.endpoint)
             await context.write(pb.SessionReply(route_session_id=sid, error=err))
             return not err.terminal
         except Exception as e:  # a bug: answer, log, keep serving others
