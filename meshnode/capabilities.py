@@ -13,6 +13,7 @@ import numpy as np
 
 from meshnode.executor import _bindings
 from meshnode.executor._llama import LlamaRange
+from meshnode.executor.config import ExecConfig
 from meshnode.proto import node_pb2 as pb
 
 
@@ -52,7 +53,8 @@ def host_id() -> str:
     return hashlib.sha256(b"meshnode host\0" + boot.encode()).hexdigest()[:16]
 
 
-def hardware() -> pb.Hardware:
+def hardware(config: ExecConfig | None = None) -> pb.Hardware:
+    """The machine, and (with ``config``) how many threads this node computes on."""
     mem = _meminfo()
     return pb.Hardware(
         cpu_model=_cpu_model(),
@@ -63,6 +65,8 @@ def hardware() -> pb.Hardware:
         devices=[pb.Device(**d) for d in _bindings.backend_devices()],
         host_id=host_id(),
         cpus=sorted(os.sched_getaffinity(0)),
+        decode_threads=config.n_threads if config else 0,
+        batch_threads=config.n_threads_batch if config else 0,
     )
 
 

@@ -193,7 +193,7 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
     """``run_node`` once the state dir is held: load the range, serve, drain."""
     executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
     try:
-        hw = await trio.to_thread.run_sync(hardware)
+        hw = await trio.to_thread.run_sync(hardware, executor.config)
         tput = await trio.to_thread.run_sync(executor.run_blocking, measure_throughput)
         endpoints: list[str] = []
 

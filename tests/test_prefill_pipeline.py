@@ -1,6 +1,7 @@
 """Prefill pipelined by chunk: hop i + 1 computes chunk k while hop i computes chunk k + 1.
 
-(Pipelined only when no two hops share CPU cores: ``routing/overlap.py``, tested here too.)
+(Pipelined only when hops computing at once would not run more threads than their machine's cores:
+``routing/overlap.py``, tested here too.)
 
 The initiator sends prompt chunks up to the negotiated credits ahead, and a hop
 takes its next chunk as soon as it has passed the last one on, not when the
@@ -21,7 +22,7 @@ import trio
 
 from meshnode.capabilities import host_id
 from meshnode.identity import NodeIdentity
-from meshnode.routing.overlap import share_cores
+from meshnode.routing.overlap import overcommitted
 from meshnode.session.initiator import GenerateConfig, RouteSession, check_route, generate
 from meshnode.transport.client import get_capability, health
 from tests.conftest import aio, llama_reference
@@ -107,7 +108,8 @@ def _two_cpus() -> tuple[list[int], list[int]]:
 
 async def test_a_tail_killed_behind_a_head_chunks_ahead_is_replaced_and_the_text_is_unchanged(model, node_factory):
     ref = await trio.to_thread.run_sync(lambda: llama_reference(model, PROMPT, N_TOKENS, N_CTX, via_generate=False))
-    # a CPU each, as on machines of their own: ``generate`` pipelines only hops that share no cores
+    # a CPU each, as on machines of their own: ``generate`` pipelines only hops that would not overcommit
+    # their CPUs (unpinned on one machine, two prefill teams of all its cores each would)
     head_cpus, tail_cpus = _two_cpus()
     head = await trio.to_thread.run_sync(lambda: node_factory("0:15", cpus=head_cpus))
     tail = await trio.to_thread.run_sync(lambda: node_factory("15:30", cpus=tail_cpus))
@@ -120,13 +122,16 @@ async def test_a_tail_killed_behind_a_head_chunks_ahead_is_replaced_and_the_text
     assert result.route == [head.endpoint, spare.endpoint]
 
 
-def test_hops_share_cores_only_on_one_machine_with_a_cpu_in_common() -> None:
-    assert share_cores([("h1", [0, 1]), ("h1", [1])])
-    assert not share_cores([("h1", [0]), ("h1", [1])])  # one machine, disjoint cpusets (taskset)
-    assert not share_cores([("h1", [0, 1]), ("h2", [0, 1])])  # two machines
-    assert not share_cores([("", [0]), ("", [0])])  # unknown machines: taken as machines of their own
-    assert share_cores([("h2", [0]), ("h1", [3]), ("h1", [2, 3])])  # any two hops of the route
-    assert not share_cores([("h1", [0])])
+def test_hops_overcommit_only_a_machine_whose_shared_cpus_they_outnumber() -> None:
+    assert overcommitted([("h1", [0, 1], 2), ("h1", [0, 1], 2)])  # one 2-CPU machine, 2 threads each
+    assert not overcommitted([("h1", [0, 1], 1), ("h1", [0, 1], 1)])  # 1 thread each fits 2 CPUs
+    assert not overcommitted([("h1", [0], 1), ("h1", [1], 1)])  # one machine, disjoint cpusets (taskset)
+    assert not overcommitted([("h1", [0, 1], 2), ("h2", [0, 1], 2)])  # two machines
+    assert not overcommitted([("", [0], 4), ("", [0], 4)])  # unknown machines: taken as machines of their own
+    assert not overcommitted([("h1", [0], 0), ("h1", [0], 0)])  # threads unknown
+    assert overcommitted([("h2", [0], 1), ("h1", [3], 1), ("h1", [2, 3], 2)])  # any hops of the route
+    assert overcommitted([("h1", [0, 1], 1), ("h1", [1, 2], 1), ("h1", [2], 2)])  # overlapping, transitively
+    assert not overcommitted([("h1", [0], 2)])  # one hop alone computes alone
 
 
 async def _hardware(endpoints: list[str]) -> list[object]:
@@ -142,3 +147,5 @@ async def test_nodes_advertise_their_machine_and_cpus(node_factory):
     assert list(hw[0].cpus) == head_cpus
     assert list(hw[1].cpus) == tail_cpus
     assert hw[0].host_id == hw[1].host_id == host_id() != ""
+    assert hw[0].decode_threads == hw[1].decode_threads == 1  # half the physical cores of one CPU, at least 1
+    assert hw[0].batch_threads == hw[1].batch_threads == 1  # the CPUs it may use

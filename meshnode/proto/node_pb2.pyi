@@ -367,6 +367,8 @@ class Hardware(_message.Message):
     DEVICES_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
     CPUS_FIELD_NUMBER: _builtins.int
+    DECODE_THREADS_FIELD_NUMBER: _builtins.int
+    BATCH_THREADS_FIELD_NUMBER: _builtins.int
     cpu_model: _builtins.str
     """/proc/cpuinfo model name"""
     cores: _builtins.int
@@ -377,6 +379,10 @@ class Hardware(_message.Message):
     """MemAvailable when measured"""
     host_id: _builtins.str
     """same on every node of one running machine, else different: a hash"""
+    decode_threads: _builtins.int
+    """llama.cpp threads of this node's decode steps"""
+    batch_threads: _builtins.int
+    """llama.cpp threads of its prompt chunks"""
     @_builtins.property
     def cpu_features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """instruction-set features llama.cpp was built to use (system info)"""
@@ -402,10 +408,12 @@ class Hardware(_message.Message):
         devices: _abc.Iterable[Global___Device] | None = ...,
         host_id: _builtins.str = ...,
         cpus: _abc.Iterable[_builtins.int] | None = ...,
+        decode_threads: _builtins.int = ...,
+        batch_threads: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cores", b"cores", "cpu_features", b"cpu_features", "cpu_model", b"cpu_model", "cpus", b"cpus", "devices", b"devices", "host_id", b"host_id", "memory_available_bytes", b"memory_available_bytes", "memory_total_bytes", b"memory_total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_threads", b"batch_threads", "cores", b"cores", "cpu_features", b"cpu_features", "cpu_model", b"cpu_model", "cpus", b"cpus", "decode_threads", b"decode_threads", "devices", b"devices", "host_id", b"host_id", "memory_available_bytes", b"memory_available_bytes", "memory_total_bytes", b"memory_total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

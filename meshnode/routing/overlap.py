@@ -1,29 +1,48 @@
-"""Whether a route's hops can compute at the same time: do any two share CPU cores?
+"""Whether a route's hops can compute at the same time without slowing each other down.
 
-Pipelining a prefill (hop *i + 1* on chunk *k* while hop *i* is on chunk
-*k + 1*) pays when each hop has cores of its own: on two one-core "machines"
-(nodes pinned with ``taskset``) a 2,055-token prefill took 0.65 x the whole
-model's time. When hops share cores, two llama.cpp thread teams of n threads
-each run on the same n cores, and every barrier waits for a preempted thread:
-on one 2-vCPU machine the same prefill took 1.27 x the whole model's time
-pipelined and 1.04 x one chunk at a time (docs/performance.md, "Prefill").
+Two things run hops at once: a prefill pipelined by chunk (hop *i + 1* on
+chunk *k* while hop *i* is on chunk *k + 1*) and decode in groups (the head
+on one group of sessions while the tail is on another). Both pay when each
+hop has cores of its own: on two one-core "machines" (nodes pinned with
+``taskset``) a 2,055-token prefill took 0.65 x the whole model's time. When
+hops on one machine together run more llama.cpp threads than it has cores,
+every barrier waits for a preempted thread: on one 2-vCPU machine, hops
+prefilling on 2 threads each took 1.27 x the whole model's time pipelined
+and 1.04 x one chunk at a time (docs/performance.md, "Prefill"). Hops that
+decode on one thread each fit two cores side by side.
 
-Pure: takes each hop's advertised ``(host_id, cpus)``.
+Pure: takes each hop's advertised ``(host_id, cpus, threads)``.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections import defaultdict
 from collections.abc import Collection, Sequence
 
 
-def share_cores(hops: Sequence[tuple[str, Collection[int]]]) -> bool:
-    """True if two hops run on one machine (same non-empty ``host_id``) with a CPU in common.
+def overcommitted(hops: Sequence[tuple[str, Collection[int], int]]) -> bool:
+    """True if the hops on some one machine (same non-empty ``host_id``) whose CPUs overlap would run
+    more threads at once than those CPUs number.
 
-    A hop that does not say which machine or CPUs it has shares nothing known: the route's hops are
-    taken to be machines of their own, which is what a mesh is for.
+    A hop that does not say which machine it is on, or how many threads it runs, counts as a machine
+    of its own: that is what a mesh is for.
     """
-    for (host_a, cpus_a), (host_b, cpus_b) in itertools.combinations(hops, 2):
-        if host_a and host_a == host_b and set(cpus_a) & set(cpus_b):
+    by_host: dict[str, list[tuple[set[int], int]]] = defaultdict(list)
+    for host, cpus, threads in hops:
+        if host and threads:
+            by_host[host].append((set(cpus), threads))
+    for on_host in by_host.values():
+        # hops whose CPU sets overlap (transitively) compete for the union of them
+        groups: list[tuple[set[int], int, int]] = []  # (cpus, threads, hops)
+        for cpus, threads in on_host:
+            merged = (set(cpus), threads, 1)
+            rest = []
+            for g in groups:
+                if g[0] & merged[0]:
+                    merged = (g[0] | merged[0], g[1] + merged[1], g[2] + merged[2])
+                else:
+                    rest.append(g)
+            groups = [*rest, merged]
+        if any(hops > 1 and threads > len(cpus) for cpus, threads, hops in groups):
             return True
     return False

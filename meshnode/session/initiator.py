@@ -43,7 +43,7 @@ from meshnode.proto import node_pb2 as pb
 from meshnode.routing.chain import PeerView, check_chain
 from meshnode.routing.choose import Candidate
 from meshnode.routing.failover import Backoff, can_fail_over, replacement, replay_depths, spare_candidates
-from meshnode.routing.overlap import share_cores
+from meshnode.routing.overlap import overcommitted
 from meshnode.session.completion import Completion
 from meshnode.session.sampling import GREEDY, SamplingParams, check_sampling, check_stops
 from meshnode.session.sampling import to_pb as sampling_pb
@@ -79,7 +79,7 @@ class GenerateConfig:
     #: delegated decode: the head runs the decode loop (Generate); False = one Step per token from here
     delegate: bool = True
     #: prefill with several prompt chunks in flight (the negotiated credits), so the hops compute
-    #: different chunks at once, unless two hops share CPU cores (then it is slower: routing/overlap.py);
+    #: different chunks at once, unless that would run more threads than cores (routing/overlap.py);
     #: False = one chunk at a time. Same chunks either way (bit-identical)
     pipeline: bool = True
     #: when a failed hop has no spare: seconds to wait for it to come back (a restart), then replay
@@ -469,8 +469,10 @@ class _Run:
         )
 
     def _pipeline(self) -> bool:
-        """Several prompt chunks in flight: asked for, and no two hops share cores (routing/overlap.py)."""
-        return self.cfg.pipeline and not share_cores([(c.hardware.host_id, c.hardware.cpus) for c in self.rs.caps])
+        """Several prompt chunks in flight: asked for, and hops computing at once would not run more
+        threads than their machine's cores (routing/overlap.py)."""
+        hw = [c.hardware for c in self.rs.caps]
+        return self.cfg.pipeline and not overcommitted([(h.host_id, h.cpus, h.batch_threads) for h in hw])
 
     async def _decode(self) -> bool:
         """Decode until done or the stream of results ends; True when the generation is over."""
