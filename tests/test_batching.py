@@ -27,10 +27,6 @@ def test_pick_batch_takes_equal_lengths_of_distinct_sessions() -> None:
     assert pick_batch([(0, 1), (1, 1), (0, 1), (2, 7), (3, 1)], 512) == [0, 1, 4]
     assert pick_batch([(5, 7), (1, 1), (2, 7)], 512) == [0, 2]
     assert pick_batch([(0, 300), (1, 300)], 512) == [0]  # would span two micro-batches
-    # a head decoding in groups: at most max_chunks, the oldest first
-    assert pick_batch([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)], 512, 2) == [0, 1]
-    assert pick_batch([(0, 1), (0, 1), (2, 7), (3, 1), (4, 1)], 512, 2) == [0, 3]
-    assert pick_batch([(0, 1), (1, 1)], 512, 0) == [0, 1]  # 0: no limit
     assert batchable([4, 4], 8)
     assert not batchable([4, 4], 7)
     assert not batchable([1, 2], 512)

@@ -68,23 +68,18 @@ class Timed:
     batch_size: int = 1
 
 
-def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int, max_chunks: int = 0) -> list[int]:
+def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
     """Indices of the queued chunks ``[(seq, n_tokens)]`` (oldest first) to run as one batch.
 
     The oldest always runs; later chunks of other sessions join while the
     batch stays ``batchable`` (equal lengths within one micro-batch), so no
-    session waits behind a batch it could not join for longer than one step;
-    and, with ``max_chunks``, while it has fewer than that many chunks (a
-    head that splits its sessions into groups, so that the route's hops
-    compute different groups at once: ``HopSession.decode_group``).
+    session waits behind a batch it could not join for longer than one step.
     """
     if not pending:
         return []
     seq0, n0 = pending[0]
     chosen, seqs, lengths = [0], {seq0}, [n0]
     for i, (seq, n) in enumerate(pending[1:], start=1):
-        if max_chunks and len(chosen) >= max_chunks:
-            break
         if seq in seqs or not batchable([*lengths, n], n_ubatch):
             continue
         chosen.append(i)
@@ -134,8 +129,6 @@ def _awaitable(cfut: concurrent.futures.Future[T], loop: asyncio.AbstractEventLo
 class _Job:
     chunk: Chunk
     future: concurrent.futures.Future[Timed]
-    #: the most chunks a batch led by this one may hold (0: no limit)
-    max_batch: int = 0
 
 
 class RangeExecutor:
@@ -237,10 +230,9 @@ class RangeExecutor:
         return self._range.next_pos(slot)
 
     async def forward(self, slot: int, pos0: int, *, tokens: npt.NDArray[np.int32] | None = None,
-                      embd: F32 | None = None, max_batch: int = 0) -> Timed:
-        """Queue one chunk of one session; resolves when its batch has run. ``max_batch``: the most
-        chunks a batch this one leads may hold (0: as many as fit)."""
-        job = _Job(Chunk(slot, pos0, tokens, embd), concurrent.futures.Future(), max_batch)
+                      embd: F32 | None = None) -> Timed:
+        """Queue one chunk of one session; resolves when its batch has run."""
+        job = _Job(Chunk(slot, pos0, tokens, embd), concurrent.futures.Future())
         loop = asyncio.get_running_loop()
         with self._lock:
             self._queue.append(job)
@@ -260,8 +252,7 @@ class RangeExecutor:
         # a chunk whose waiter was cancelled before it started never runs (its future
         # is cancelled and could take no result)
         self._queue = [j for j in self._queue if not j.future.cancelled()]
-        lead = self._queue[0].max_batch if self._queue else 0
-        idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch, lead)
+        idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch)
         picked = [self._queue[i] for i in idx]
         for i in sorted(idx, reverse=True):
             del self._queue[i]

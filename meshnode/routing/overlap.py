@@ -1,15 +1,13 @@
 """Whether a route's hops can compute at the same time without slowing each other down.
 
-Two things run hops at once: a prefill pipelined by chunk (hop *i + 1* on
-chunk *k* while hop *i* is on chunk *k + 1*) and decode in groups (the head
-on one group of sessions while the tail is on another). Both pay when each
-hop has cores of its own: on two one-core "machines" (nodes pinned with
-``taskset``) a 2,055-token prefill took 0.65 x the whole model's time. When
-hops on one machine together run more llama.cpp threads than it has cores,
-every barrier waits for a preempted thread: on one 2-vCPU machine, hops
+A prefill pipelined by chunk (hop *i + 1* on chunk *k* while hop *i* is on
+chunk *k + 1*) runs hops at once. It pays when each hop has cores of its
+own: on two one-core "machines" (nodes pinned with ``taskset``) a
+2,055-token prefill took 0.65 x the whole model's time. When hops on one
+machine together run more llama.cpp threads than it has cores, every
+barrier waits for a preempted thread: on one 2-vCPU machine, hops
 prefilling on 2 threads each took 1.27 x the whole model's time pipelined
-and 1.04 x one chunk at a time (docs/performance.md, "Prefill"). Hops that
-decode on one thread each fit two cores side by side.
+and 1.04 x one chunk at a time (docs/performance.md, "Prefill").
 
 Pure: takes each hop's advertised ``(host_id, cpus, threads)``.
 """

@@ -45,7 +45,6 @@ from meshnode.executor.sampler import Chain
 from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import accept, check_open, forward_proof, parse_open
 from meshnode.proto import node_pb2 as pb
-from meshnode.routing.overlap import overcommitted
 from meshnode.session.flow import Flow
 from meshnode.session.sampling import SamplingParams
 from meshnode.session.sampling import from_pb as sampling_from_pb
@@ -132,8 +131,6 @@ class HopSession:
     detached_at: float = 0.0
     #: tail: llama.cpp's sampler chain of this session (penalty window + seeded RNG)
     chain: Chain | None = None
-    #: head: hops of the route when they may compute at once (decode in groups), else 0
-    route_hops: int = 0
 
     # -- open -----------------------------------------------------------------
 
@@ -191,9 +188,7 @@ class HopSession:
             hops.extend(accepted.hops)
             acceptances.extend(accepted.acceptances)
             cached.extend(accepted.cached)
-            if self.executor.takes_tokens and not overcommitted(
-                    [(h.hardware.host_id, h.hardware.cpus, h.hardware.decode_threads) for h in hops]):
-                self.route_hops = len(hops)
+
         return pb.SessionAccepted(
             route_session_id=o.route_session_id, route_epoch=o.route_epoch, limits=self.negotiated, hops=hops,
             acceptances=acceptances, cached=cached,
@@ -319,8 +314,7 @@ class HopSession:
         if n > self.negotiated.max_prefill_chunk_tokens:
             raise errors.ShapeError(f"step carries {n} tokens; the negotiated maximum is "
                                     f"{self.negotiated.max_prefill_chunk_tokens}")
-        timed = await ex.forward(self.slot, n_past, tokens=tokens, embd=embd,
-                                 max_batch=self.decode_group() if n == 1 else 0)
+        timed = await ex.forward(self.slot, n_past, tokens=tokens, embd=embd)
         timing = pb.HopTiming(endpoint=self.endpoint, compute_nanos=timed.compute_nanos, n_tokens=n,
                               bytes_in=s.activation.total_bytes if embd is not None else 4 * n)
         out = timed.output
@@ -342,18 +336,6 @@ class HopSession:
         if self.open_msg.return_logits:
             result.logits.CopyFrom(encode_bundle(out.logits[None, :], max_chunk_bytes=1 << 30))
         return _ready(result)
-
-    def decode_group(self) -> int:
-        """At the head: the most sessions a decode batch takes, live sessions / hops (0: no limit).
-
-        One batch of every session would have the hops take turns (the head computes it, then the
-        tail, while the head waits). In groups, the head computes one group while the tail computes
-        another, and each hop only batches the group that reached it. Not where the hops would then
-        run more threads than their machine has cores (routing/overlap.py).
-        """
-        if self.route_hops < 2:
-            return 0
-        return -(-self.executor.live_slots // self.route_hops)
 
     async def _replay_cached(self, frame: pb.SessionFrame, left: float | None) -> Awaitable[pb.StepResult]:
         """A replay step for positions this hop holds: pass the stored rows on (tail: acknowledge)."""
