@@ -320,12 +320,14 @@ class NodeServicer(pb_grpc.NodeServicer):
         if self.sessions.get(session.session_id) is session:
             del self.sessions[session.session_id]
         if session.detachable and session.slot is not None and self.serving:
-            await session.detach()
+            # listed as detached before anything is awaited: a Release or resume arriving meanwhile
+            # must find it (else it would sit out the whole grace period, found by neither)
             session.detached_at = time.monotonic()
             stale = self.detached.pop(session.session_id, None)
             self.detached[session.session_id] = session
             if stale is not None:
                 await stale.close()
+            await session.detach()
         else:  # a broken stream on a draining node: the hops after it may still serve a resume
             await session.close(end_downstream=not session.detachable)
         session.ended.set()
