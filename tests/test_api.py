@@ -298,7 +298,8 @@ async def test_no_free_session_is_429_and_a_slow_request_is_504(api_factory: Any
             await trio.sleep(0.05)
     hurried = api_factory([n.endpoint for n in nodes], "--request-timeout", "3")
     with pytest.raises(openai.APIStatusError) as slow:
-        hurried.client().completions.create(model=model, prompt=PROMPT, max_tokens=3000, temperature=0)
+        # counting, greedy: no end-of-generation before 3000 tokens, so it outlives 3 s on any host
+        hurried.client().completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=3000, temperature=0)
     assert slow.value.status_code == 504
     with trio.fail_after(30):
         while [(await aio(health, n.endpoint)).live_sessions for n in nodes] != [0, 0]:  # noqa: ASYNC110

@@ -36,6 +36,8 @@ from tests.test_tracker import _start_tracker, _stop
 
 #: tokens of the generation that is live when the SIGTERM comes: ~10 s of decode here
 LONG = 440
+#: a prompt whose greedy continuation never ends by itself (1, 2, 3, ... up to the length limit)
+COUNTING = "1, 2, 3, 4,"
 LAYERS = ("0:15", "15:30")
 
 
@@ -192,7 +194,9 @@ async def test_a_session_outliving_the_drain_timeout_is_cut_with_a_typed_error(
     gone = nodes[victim]
     async with trio_asyncio.open_loop():
         # --rejoin-wait 0: no waiting for the cut hop to come back (there is no spare either)
-        cmd = _generate(*_peers(nodes), "--prompt", PROMPT, "--max-tokens", str(LONG), "--rejoin-wait", "0")
+        # a continuation that runs to its length (counting, greedy: no end-of-generation), ~40 s or more
+        # here: it outlives the drain timeout and gRPC's grace however fast the host decodes
+        cmd = _generate(*_peers(nodes), "--prompt", COUNTING, "--max-tokens", "3000", "--rejoin-wait", "0")
         async with initiator(cmd, timeout=240) as run:
             await _wait_health(gone.endpoint, lambda h: h.live_sessions == 1, 60, run.proc)
             gone.proc.send_signal(signal.SIGTERM)
