@@ -195,10 +195,7 @@ class RouteSession:
         return reply.accepted
 
     async def step(self, tokens: Sequence[int], *, sample: bool) -> pb.StepResult:
-        result = await self._step(tokens, self.n_past, sample=sample)
-        self.n_past += len(tokens)
-        self.history.append(list(tokens))
-        return result
+        return self._took(await self._step(tokens, self.n_past, sample=sample), tokens)
 
     async def prefill(self, chunks: Sequence[Sequence[int]], *, window: int | None = None) -> pb.StepResult:
         """Feed prompt chunks with up to ``window`` unanswered at once (default: the negotiated
@@ -207,20 +204,23 @@ class RouteSession:
         numerics); only the waiting overlaps. Returns the last chunk's result.
         """
         window = max(window or self.limits.credits or len(chunks), 1)
-        unanswered: collections.deque[tuple[int, Sequence[int]]] = collections.deque()
+        unanswered: collections.deque[tuple[int, Sequence[int]]] = collections.deque()  # (step id, chunk)
         pos, result = self.n_past, None
         for i, chunk in enumerate(chunks):
             if len(unanswered) >= window:
-                result = self._took(await self._answer(unanswered[0][0]), *unanswered.popleft())
+                step_id, done = unanswered.popleft()
+                result = self._took(await self._answer(step_id), done)
             unanswered.append((await self._send_step(chunk, pos, sample=i == len(chunks) - 1), chunk))
             pos += len(chunk)
         while unanswered:
-            result = self._took(await self._answer(unanswered[0][0]), *unanswered.popleft())
+            step_id, done = unanswered.popleft()
+            result = self._took(await self._answer(step_id), done)
         if result is None:
             raise errors.InputError("no prompt chunks to feed")
         return result
 
-    def _took(self, result: pb.StepResult, step_id: int, chunk: Sequence[int]) -> pb.StepResult:
+    def _took(self, result: pb.StepResult, chunk: Sequence[int]) -> pb.StepResult:
+        """A chunk's result arrived: its positions are held by every hop (what a failover replays)."""
         self.n_past += len(chunk)
         self.history.append(list(chunk))
         return result

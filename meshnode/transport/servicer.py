@@ -436,7 +436,6 @@ class NodeServicer(pb_grpc.NodeServicer):
     async def _step(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
         """Start a step; its reply is queued in order and written once the hops after this one answered
         (``HopSession.start``), so the next step may start here meanwhile. False once the session is over."""
-        sid = session.session_id
         answered = False
 
         def answer() -> None:
@@ -448,16 +447,10 @@ class NodeServicer(pb_grpc.NodeServicer):
         try:
             self._check_live(session, frame)
             rest = await session.start(frame)
-        except errors.MeshnodeError as e:
-            err = codec.error_to_pb(e, hop=self.endpoint, step_id=frame.step.step_id)
-            writer.post(pb.SessionReply(route_session_id=sid, error=err), answer)
-            return not err.terminal
-        except Exception as e:  # a bug: answer, log, keep serving others
-            log.exception("internal error in session %s", sid)
-            session.detachable = False
-            writer.post(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
-                errors.MeshnodeError(f"internal error: {e!r}"), hop=self.endpoint, terminal=True)), answer)
-            return False
+        except Exception as e:
+            reply = self._failed(session, e, frame.step.step_id)
+            writer.post(reply, answer)
+            return not reply.error.terminal
         except BaseException:
             answer()
             raise
@@ -467,20 +460,25 @@ class NodeServicer(pb_grpc.NodeServicer):
     async def _settle(self, session: HopSession, frame: pb.SessionFrame, rest: Awaitable[pb.SessionReply],
                       ctl: _Control) -> pb.SessionReply:
         """A started step's reply once the next hop answered; an error reply if it failed (never raises)."""
-        sid = session.session_id
         try:
             return await rest
-        except errors.MeshnodeError as e:
-            err = codec.error_to_pb(e, hop=self.endpoint, step_id=frame.step.step_id)
-            if err.terminal:
+        except Exception as e:
+            reply = self._failed(session, e, frame.step.step_id)
+            if reply.error.terminal:
                 ctl.end()
-            return pb.SessionReply(route_session_id=sid, error=err)
-        except Exception as e:  # a bug: answer, log, keep serving others
-            log.exception("internal error in session %s", sid)
+            return reply
+
+    def _failed(self, session: HopSession, e: Exception, step_id: int) -> pb.SessionReply:
+        """The answer to a step that raised ``e`` (call it in the ``except``): a MeshnodeError's own
+        code; anything else is a bug: logged, answered INTERNAL (terminal), and not resumable."""
+        if not isinstance(e, errors.MeshnodeError):
+            log.exception("internal error in session %s", session.session_id)
             session.detachable = False
-            ctl.end()
-            return pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
-                errors.MeshnodeError(f"internal error: {e!r}"), hop=self.endpoint, terminal=True))
+            e = errors.MeshnodeError(f"internal error: {e!r}")
+            return pb.SessionReply(route_session_id=session.session_id, error=codec.error_to_pb(
+                e, hop=self.endpoint, step_id=step_id, terminal=True))
+        return pb.SessionReply(route_session_id=session.session_id,
+                               error=codec.error_to_pb(e, hop=self.endpoint, step_id=step_id))
 
     async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
         def over() -> None:
