@@ -201,6 +201,25 @@ def test_a_rebuilt_chain_continues_exactly_where_the_original_was(params):
             assert [fresh.sample(r) for r in rows[17:]] != run[17:]
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0),
+                                    SamplingParams(temperature=0.0, repeat_penalty=1.0, penalty_last_n=0)])
+def test_greedy_picks_what_llamas_greedy_sampler_picks(params):
+    """The greedy fast path (np.argmax, no candidate array) against llama.cpp's chain on the same rows:
+    ties (the first maximum wins), a maximum at either end, a row with a NaN (it goes to llama.cpp)."""
+    rng = np.random.default_rng(11)
+    rows = [np.round(rng.standard_normal(512) * 2).astype(np.float32) for _ in range(60)]  # many ties
+    rows += [np.zeros(512, dtype=np.float32), np.arange(512, dtype=np.float32), -np.arange(512, dtype=np.float32)]
+    nan = rng.standard_normal(512).astype(np.float32)
+    nan[[0, 7]] = np.nan
+    rows.append(nan)
+    with Chain(params, 512) as fast, Chain(params, 512) as full:
+        assert fast.argmax
+        full.argmax = False
+        assert [fast.sample(r) for r in rows] == [full.sample(r) for r in rows]
+    with Chain(SamplingParams(temperature=0.0, repeat_penalty=1.3), 512) as penalised:
+        assert not penalised.argmax  # a penalty moves the logits: only llama.cpp's chain knows by how much
+
+
 def test_the_chain_is_llamas_on_llamas_own_logits(model):
     """Fed the whole model's logits row by row, the chain picks Llama.create_completion's tokens."""
     p = SamplingParams(temperature=0.9, repeat_penalty=1.1, seed=21)

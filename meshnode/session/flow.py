@@ -48,6 +48,10 @@ class Flow:
         self.window += n
         self._changed.set()
 
+    def would_wait(self) -> bool:
+        """True if ``take`` would pause now (the initiator has acknowledged too few results)."""
+        return bool(self.credits) and self.window <= 0
+
     async def take(self, stop: asyncio.Event) -> bool:
         """Before streaming a result: wait for a credit. False if ``stop`` was set meanwhile."""
         while self.credits and self.window <= 0 and not stop.is_set():

@@ -393,9 +393,11 @@ class HopSession:
                        stop: asyncio.Event, flow: Flow | None = None) -> None:
         """Run a Generate: one ordinary step per token, each result posted upstream.
 
-        ``post`` queues a result for sending and returns at once, so the next
-        token's step starts while the last one travels (its send completion is
-        off the per-token path); ``post`` raises once the upstream stream broke.
+        ``post`` queues a result for sending and returns at once; a result is
+        posted only once the next token's step has been computed here and sent
+        on, so its write to the initiator (grpc's socket work on this thread)
+        happens while the next hop computes, not between the last hop's answer
+        and this hop's next decode. ``post`` raises once the upstream stream broke.
 
         Stops at end-of-generation, ``max_tokens`` or when ``stop`` is set
         (in-band cancel); the last result written has ``last = true``. A failing
@@ -413,24 +415,50 @@ class HopSession:
         token, n_past = g.token, g.n_past
         # a step may take at most an hour: a larger timeout (up to 2**64 ns) is clamped, never overflows
         timeout_ns = min(g.step_timeout_nanos or int(self.limits.step_timeout * 1e9), MAX_STEP_TIMEOUT_NS)
-        for i in range(g.max_tokens):
-            if flow is not None and not await flow.take(stop):
-                return  # cancelled or released while paused for credits
-            step = pb.Step(step_id=g.first_step_id + i, work_id=g.work_id, tokens=[token], sample=True,
-                           cache=pb.CacheExpectation(n_past=n_past), deadline_unix_nanos=codec.now_ns() + timeout_ns)
-            frame_i = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=step)
-            try:
-                reply = await self.step(frame_i)
-            except BaseException:
+        held: pb.SessionReply | None = None  # the last result, posted once the next step is on its way
+        try:
+            for i in range(g.max_tokens):
                 if flow is not None:
-                    flow.refund()  # no result went out for it
-                raise
-            result = reply.result
-            result.last = result.end_of_generation or i == g.max_tokens - 1 or stop.is_set()
-            post(reply)
-            if result.last:
-                return
-            token, n_past = result.token, n_past + 1
+                    if held is not None and flow.would_wait():
+                        post(held)  # the initiator acknowledges what it has seen: never hold what it waits for
+                        held = None
+                    if not await flow.take(stop):
+                        return  # cancelled or released while paused for credits
+                step = pb.Step(step_id=g.first_step_id + i, work_id=g.work_id, tokens=[token], sample=True,
+                               cache=pb.CacheExpectation(n_past=n_past),
+                               deadline_unix_nanos=codec.now_ns() + timeout_ns)
+                frame_i = pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=step)
+                try:
+                    rest = await self.start(frame_i)
+                except BaseException:
+                    if flow is not None:
+                        flow.refund()  # no result went out for it
+                    raise
+                if held is not None:
+                    try:
+                        post(held)  # written while the next hop computes this step: off the token's path
+                    except errors.MeshnodeError:
+                        held = None
+                        with contextlib.suppress(Exception):
+                            await rest  # the upstream is gone; collect what is owed downstream, then end
+                        raise
+                    held = None
+                try:
+                    reply = await rest
+                except BaseException:
+                    if flow is not None:
+                        flow.refund()
+                    raise
+                result = reply.result
+                result.last = result.end_of_generation or i == g.max_tokens - 1 or stop.is_set()
+                if result.last:
+                    post(reply)
+                    return
+                held = reply
+                token, n_past = result.token, n_past + 1
+        finally:
+            if held is not None:
+                post(held)  # the results before a failing step still go out first
 
     # -- control ------------------------------------------------------------------
 
