@@ -117,12 +117,25 @@ def _node_settings(ns: argparse.Namespace) -> argparse.Namespace:
 
     file = config.load(Path(ns.config)) if ns.config else {}
     flags = {k: getattr(ns, k, None) for k in config.KEYS}
-    if flags.get("auto") is False:
-        flags["auto"] = None
+    for key in ("auto", "insecure"):  # a store_true flag not given must not override the file
+        if flags.get(key) is False:
+            flags[key] = None
     merged = config.resolve(flags, file)
     for k, v in merged.items():
         setattr(ns, k, v)
     return ns
+
+
+INSECURE_HELP = ("plaintext node streams, no TLS and no pinning to node ids: for a closed lab network only "
+                 "(every node and client of the mesh must say it)")
+
+
+def _configure_security(ns: argparse.Namespace) -> None:
+    """TLS pinned to node ids unless --insecure (transport/security.py); grpc is imported only when said."""
+    if getattr(ns, "insecure", False):
+        from meshnode.transport import security
+
+        security.configure(insecure=True)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -149,7 +162,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
-                     metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key))
+                     metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure)
+    _configure_security(ns)
     if cfg.api:
         from meshnode.api.run import check_exposure
 
@@ -413,6 +427,7 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
     p.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
                    help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
+    p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     p.add_argument("--rejoin-wait", type=float, default=5.0, metavar="SECONDS",
                    help="when a failed hop has no spare, wait this long for it to come back (default 5)")
     p.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
@@ -495,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--api-key", metavar="KEY",
                        help="with --api: require 'Authorization: Bearer KEY' (needed off loopback; "
                             "or $MESHNODE_API_KEY)")
+        p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
         if name == "join":
             p.add_argument("--auto", action="store_true", help="take the range whose coverage is weakest")
             p.add_argument("--span", type=int, help="with --auto: layers to take (default: half the model)")
@@ -555,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--mdns", metavar="ADDR", help="find the mesh's nodes over mDNS on this interface address")
     api.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' (required off loopback; or $MESHNODE_API_KEY)")
+    api.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     api.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="cut a request that takes longer with 504 (default 600)")
     api.set_defaults(func=cmd_api)
@@ -573,6 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logs.setup(verbose=ns.verbose, json_lines=True if ns.log_json else None)
     try:
+        if ns.func is not cmd_serve:  # serve merges --insecure with its --config file first
+            _configure_security(ns)
         return int(ns.func(ns))
     except errors.MeshnodeError as e:
         return _report(e)

@@ -48,6 +48,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "metrics": (str, None),
     "api": (str, None),
     "api_key": (str, None),
+    "insecure": (bool, False),
 }
 
 

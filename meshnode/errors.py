@@ -190,6 +190,18 @@ class NotAMeshnodeError(PeerError):
     code = "NOT_A_MESHNODE"
 
 
+class ImpostorError(PeerError):
+    """The endpoint answered with another node's identity than the one the caller meant to reach."""
+
+    code = "PEER_IMPOSTOR"
+
+
+class TransportSecurityError(PeerError):
+    """No TLS the caller can trust: the peer speaks none, or its certificate is bound to no identity."""
+
+    code = "TRANSPORT_INSECURE"
+
+
 class FingerprintMismatchError(PeerError):
     code = "FINGERPRINT_MISMATCH"
 

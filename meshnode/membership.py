@@ -153,8 +153,9 @@ def status(nodes: list[Running]) -> dict[str, Any]:
             return {"state_dir": str(r.state_dir), "pid": r.pid, "starting": True}
         endpoint = str(r.info["endpoint"])
         try:
-            cap = await aio.run(get_capability, endpoint, 5.0)
-            h = await aio.run(health, endpoint, 5.0)
+            nid, plain = r.info.get("node_id") or None, bool(r.info.get("insecure"))  # as the node says it serves
+            cap = await aio.run(functools.partial(get_capability, endpoint, 5.0, nid, plaintext=plain))
+            h = await aio.run(functools.partial(health, endpoint, 5.0, nid, plaintext=plain))
         except errors.MeshnodeError as e:
             return {"state_dir": str(r.state_dir), "pid": r.pid, "endpoint": endpoint, "error": str(e)}
         return {"node_id": cap.node_id, "endpoint": endpoint, "listen": r.info.get("listen"),

@@ -25,12 +25,13 @@ from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
 from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
-from meshnode.identity import NodeIdentity, load_or_create
+from meshnode.identity import NodeIdentity, load_or_create, tlscert
 from meshnode.identity.attest import attest
 from meshnode.proto import node_pb2 as pb
 from meshnode.runtime import RuntimeDir, node_state_dir
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
 from meshnode.session.hop import HopLimits
+from meshnode.transport import security
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.server import check_listen, serve_grpc, split_hostport
 from meshnode.transport.servicer import NodeServicer
@@ -70,6 +71,8 @@ class NodeConfig:
     api: str | None = None
     #: the Bearer key the API requires (None: none; required off loopback)
     api_key: str | None = None
+    #: plaintext streams, no TLS (``--insecure``: a closed lab network only)
+    insecure: bool = False
 
 
 LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
@@ -77,7 +80,8 @@ LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
 
 def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, ident: NodeIdentity,
                *, now: int | None = None, hardware: pb.Hardware | None = None,
-               throughput: pb.Throughput | None = None, endpoints: list[str] | None = None) -> pb.Capability:
+               throughput: pb.Throughput | None = None, endpoints: list[str] | None = None,
+               insecure: bool = False) -> pb.Capability:
     src = artifact.manifest["source"]
     envelope = attest(ident, fingerprint=artifact.fingerprint, start=artifact.start, end=artifact.end,
                       range_digest=artifact.range_digest, llama_build=LLAMA_BUILD,
@@ -107,6 +111,7 @@ def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, i
         hardware=hardware,
         throughput=throughput,
         endpoints=endpoints or [],
+        insecure=insecure,
     )
 
 
@@ -183,13 +188,17 @@ async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
     await trio.to_thread.run_sync(functools.partial(runtime.claim, hint=hint))
     try:
         ident = await trio.to_thread.run_sync(load_or_create, sdir)
-        await _serve(config, artifact, ident, runtime, stop, task_status)
+        if config.insecure:
+            security.configure(insecure=True)  # this process's clients (hop to hop) speak plaintext too
+        tls = None if config.insecure else await trio.to_thread.run_sync(tlscert.load_or_create, sdir, ident)
+        await _serve(config, artifact, ident, runtime, stop, task_status, tls)
     finally:
         runtime.release()
 
 
 async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentity, runtime: RuntimeDir,
-                 stop: trio.Event | None, task_status: trio.TaskStatus[str]) -> None:
+                 stop: trio.Event | None, task_status: trio.TaskStatus[str],
+                 tls: tuple[bytes, bytes] | None) -> None:
     """``run_node`` once the state dir is held: load the range, serve, drain."""
     executor = await trio.to_thread.run_sync(RangeExecutor, artifact, config.executor)
     try:
@@ -199,13 +208,13 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
 
         def cap() -> pb.Capability:
             return capability(artifact, executor.config, config.limits, ident, hardware=hw, throughput=tput,
-                              endpoints=endpoints)
+                              endpoints=endpoints, insecure=config.insecure)
 
         # the data plane (grpc.aio, sessions, the executor's waiters) runs on an asyncio loop of its own
         # thread; trio keeps the lifecycle and reaches that loop only through ``aio`` (aiothread.py)
         async with open_aio_thread() as aio, trio.open_nursery() as nursery:
             servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen, ident=ident)
-            addr = await nursery.start(functools.partial(serve_grpc, servicer, config.listen, aio=aio.run))
+            addr = await nursery.start(functools.partial(serve_grpc, servicer, config.listen, aio=aio.run, tls=tls))
             servicer.endpoint = addr
             endpoints.append(addr)
             servicer.capability = cap()
@@ -221,7 +230,7 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
             api_url = await _serve_api(nursery, config, aio, addr) if config.api else None
             runtime.write(node_id=ident.node_id, listen=config.listen, endpoint=addr,
                           layers=f"{artifact.start}:{artifact.end}", tracker=config.tracker,
-                          mdns=config.mdns_interface, metrics=metrics_url, api=api_url)
+                          mdns=config.mdns_interface, metrics=metrics_url, api=api_url, insecure=config.insecure)
             log.info("serving %s layers %d:%d on %s", artifact.role.value, artifact.start, artifact.end, addr)
             notify("READY=1")
             interval = watchdog_interval()

@@ -18,6 +18,7 @@ from meshnode import errors
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, check_route, generate
+from meshnode.transport.client import open_channel
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import encode_bundle
 from tests.conftest import PROMPT, aio, cli, open_frame
@@ -90,7 +91,15 @@ def test_a_grpc_server_that_is_not_a_meshnode(route2):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
+        # by default a node must speak TLS bound to its identity: a plaintext server is refused as such
         proc = cli("generate", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint, "--prompt", PROMPT)
+        assert proc.returncode == 1
+        assert "TRANSPORT_INSECURE" in proc.stderr
+        assert "--insecure" in proc.stderr
+        assert f"127.0.0.1:{port}" in proc.stderr
+        # a plaintext client reaches it, and finds it is not a meshnode
+        proc = cli("generate", "--insecure", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint,
+                   "--prompt", PROMPT)
         assert proc.returncode == 1
         assert "NOT_A_MESHNODE" in proc.stderr
         assert f"127.0.0.1:{port}" in proc.stderr
@@ -132,7 +141,7 @@ def _step(sid: str, step_id: int, bundle: pb.TensorBundle, n_past: int = 0) -> p
 
 async def _corrupt_then_valid(endpoint: str) -> list[str]:
     """Send bad bundles to a tail on one session; return the error codes, then prove it still works."""
-    async with grpc.aio.insecure_channel(endpoint) as ch:
+    async with await open_channel(endpoint) as ch:
         stub = pb_grpc.NodeStub(ch)
         cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
         sid = str(uuid.uuid4())
@@ -196,7 +205,7 @@ async def test_corrupt_bundles_get_typed_errors_and_spare_other_sessions(route2,
 
 async def test_steps_for_an_unknown_session_are_refused(route2):
     async def go() -> pb.SessionReply:
-        async with grpc.aio.insecure_channel(route2[1].endpoint) as ch:
+        async with await open_channel(route2[1].endpoint) as ch:
             call = pb_grpc.NodeStub(ch).Session()
             await call.write(_step("no-such-session", 1, encode_bundle(np.zeros((1, 576), np.float32))))
             reply = await call.read()

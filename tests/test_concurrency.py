@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import trio
 import trio_asyncio
@@ -55,7 +54,7 @@ from meshnode.launch import NodeProcess
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, GenerationResult, RouteSession, check_route, generate
-from meshnode.transport.client import health, tokenize
+from meshnode.transport.client import health, open_channel, tokenize
 from meshnode.wire.tensors import decode_bundle
 from tests.conftest import Reference, aio, llama_reference
 
@@ -142,7 +141,7 @@ async def _interrupted(peers: list[str], caps: list[pb.Capability], prompt: str,
             action = "cancel" if mode == "cancel_oob" else "release"
             order = sign_control(ident, rs.id, action, now=int(time.time()))
             for peer in peers[:1]:
-                async with grpc.aio.insecure_channel(peer) as ch:
+                async with await open_channel(peer) as ch:
                     stub = pb_grpc.NodeStub(ch)
                     if action == "cancel":
                         reply = await stub.Cancel(pb.CancelRequest(route_session_id=rs.id, auth=order))

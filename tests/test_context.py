@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import uuid
 
-import grpc
 import numpy as np
 import pytest
 import trio
@@ -21,6 +20,7 @@ from meshnode.gguf import inspect_model
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, generate
+from meshnode.transport.client import open_channel
 from meshnode.wire.schema import SCHEMA_VERSION
 from tests.conftest import aio, cli, llama_reference, open_frame, step_frame
 
@@ -138,7 +138,7 @@ async def test_a_hop_refuses_a_step_beyond_its_context_naming_the_flag(node_fact
     tail = node_factory("15:30", extra=("--ctx-size", "256", "--max-sessions", "1"))
 
     async def go() -> tuple[pb.SessionReply, pb.SessionReply]:
-        async with grpc.aio.insecure_channel(tail.endpoint) as ch:
+        async with await open_channel(tail.endpoint) as ch:
             stub = pb_grpc.NodeStub(ch)
             cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
             assert cap.numerics.n_ctx_per_session == 256

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import grpc
 import numpy as np
 
 from meshnode.identity import NodeIdentity
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, RouteSession, check_route
-from meshnode.transport.client import health
+from meshnode.transport.client import health, open_channel
 from meshnode.wire.schema import SCHEMA_VERSION
 from tests.conftest import aio, open_frame, step_frame
 
@@ -25,7 +24,7 @@ from tests.conftest import aio, open_frame, step_frame
 async def _steps_beyond_credits(endpoint: str) -> dict[str, object]:
     seen: dict[str, object] = {}
     x = np.random.default_rng(5).standard_normal((258, 576)).astype(np.float32)
-    async with grpc.aio.insecure_channel(endpoint) as ch:
+    async with await open_channel(endpoint) as ch:
         stub = pb_grpc.NodeStub(ch)
         cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
         sid = str(uuid.uuid4())

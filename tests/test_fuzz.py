@@ -68,6 +68,7 @@ from meshnode.launch import NodeProcess
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.session.initiator import GenerateConfig, generate
+from meshnode.transport.client import open_channel
 from meshnode.wire.schema import SCHEMA_VERSION
 from meshnode.wire.tensors import decode_bundle, encode_bundle
 from tests.conftest import PROMPT
@@ -123,7 +124,7 @@ class Node:
 
 async def _connect(proc: NodeProcess) -> Node:
     # an own subchannel pool: the fuzz's connection is not the healthy initiator's
-    ch = grpc.aio.insecure_channel(proc.endpoint, options=[
+    ch = await open_channel(proc.endpoint, options=[
         ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.use_local_subchannel_pool", 1)])
     stub = pb_grpc.NodeStub(ch)

@@ -5,19 +5,18 @@ from __future__ import annotations
 import time
 import uuid
 
-import grpc
-
 from meshnode.identity import NodeIdentity
 from meshnode.identity.attest import seal
 from meshnode.identity.routeauth import OPEN_TYPE, HopPlan, forward_proof, sign_route
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.transport.client import open_channel
 from meshnode.wire.schema import SCHEMA_VERSION
 from tests.conftest import aio, open_frame
 
 
 async def _try_open(endpoint: str, frame: pb.SessionFrame) -> pb.SessionReply:
-    async with grpc.aio.insecure_channel(endpoint) as ch:
+    async with await open_channel(endpoint) as ch:
         call = pb_grpc.NodeStub(ch).Session()
         await call.write(frame)
         reply = await call.read()
@@ -30,7 +29,7 @@ async def _try_open(endpoint: str, frame: pb.SessionFrame) -> pb.SessionReply:
 
 
 async def _cap(endpoint: str) -> pb.Capability:
-    async with grpc.aio.insecure_channel(endpoint) as ch:
+    async with await open_channel(endpoint) as ch:
         return await pb_grpc.NodeStub(ch).GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
 
 

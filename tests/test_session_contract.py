@@ -12,6 +12,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import sign_control
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.transport.client import open_channel
 from meshnode.wire.schema import SCHEMA_VERSION
 from tests.conftest import aio, open_frame, step_frame
 
@@ -19,7 +20,7 @@ from tests.conftest import aio, open_frame, step_frame
 async def _contract(endpoint: str) -> dict[str, object]:
     seen: dict[str, object] = {}
     x = np.random.default_rng(3).standard_normal((2, 576)).astype(np.float32)
-    async with grpc.aio.insecure_channel(endpoint) as ch:
+    async with await open_channel(endpoint) as ch:
         stub = pb_grpc.NodeStub(ch)
         cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
         health0 = await stub.Health(pb.HealthRequest())
@@ -109,7 +110,7 @@ async def test_session_contract_on_a_real_tail(route2):
 async def _deadlines(endpoint: str) -> dict[str, object]:
     seen: dict[str, object] = {}
     x = np.random.default_rng(4).standard_normal((1, 576)).astype(np.float32)
-    async with grpc.aio.insecure_channel(endpoint) as ch:
+    async with await open_channel(endpoint) as ch:
         stub = pb_grpc.NodeStub(ch)
         cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
         me = NodeIdentity.generate()

@@ -109,7 +109,9 @@ function node(n) {
   return "<tr data-node='" + esc(n.node_id) + "'" + (n.alive ? "" : " class='dead'") + ">" +
     "<td title='" + esc(n.node_id) + "'><code>" + esc(n.node_id.slice(0, 12)) + "</code></td>" +
     "<td title='" + esc(n.endpoints.join(", ")) + "'>" + esc(cut(n.endpoints[0] || "", 28)) + "</td>" +
-    "<td>" + n.range[0] + ":" + n.range[1] + " <small>" + esc(n.role) + "</small></td>" +
+    "<td>" + n.range[0] + ":" + n.range[1] + " <small>" + esc(n.role) + "</small>" +
+    (n.insecure ? " <span class='badge bad' data-k='insecure' title='--insecure: plaintext streams, not pinned " +
+      "to its node id'>plaintext</span>" : "") + "</td>" +
     "<td class='num'>" + n.decode_tokens_per_second + "</td><td class='num'>" + n.prefill_tokens_per_second + "</td>" +
     "<td>" + span("live_sessions", n.live_sessions) + " live / " + span("free_sessions", n.free_sessions) +
     " free<br>" + span("detached_sessions", n.detached_sessions, n.detached_sessions ? "bad" : "") + " detached" +

@@ -22,6 +22,7 @@ Cancelling ``run_prober`` cancels the probes in flight and stops that thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -73,12 +74,17 @@ def summarize(e: errors.MeshnodeError, timeout: float) -> str:
     return e.message[:ERROR_CHARS]
 
 
-async def probe_once(aio: AioRun, endpoint: str, timeout: float) -> Probe:
-    """One bounded Health call; any failure is a failed Probe, never an exception."""
+async def probe_once(aio: AioRun, endpoint: str, timeout: float, node_id: str | None = None,
+                     plaintext: bool = False) -> Probe:
+    """One bounded Health call; any failure is a failed Probe, never an exception.
+
+    Over TLS pinned to ``node_id`` (an impostor on a registered node's endpoint fails the probe), or in
+    plaintext for a node whose signed capability says it serves so (``--insecure``).
+    """
     at, t0 = time.time(), time.perf_counter()
     try:
         with trio.fail_after(timeout + SLACK):
-            reply = await aio(health, endpoint, timeout)
+            reply = await aio(functools.partial(health, endpoint, timeout, node_id, plaintext=plaintext))
     except errors.MeshnodeError as e:
         return Probe(at, False, error=summarize(e, timeout), seconds=time.perf_counter() - t0)
     except trio.TooSlowError:
@@ -89,9 +95,10 @@ async def probe_once(aio: AioRun, endpoint: str, timeout: float) -> Probe:
     return Probe(at, True, health=reply, seconds=time.perf_counter() - t0)
 
 
-async def _probe(book: ProbeBook, target: Target, aio: AioRun, timeout: float, busy: set[str]) -> None:
+async def _probe(book: ProbeBook, target: Target, aio: AioRun, timeout: float, busy: set[str],
+                 plaintext: bool) -> None:
     try:
-        probe = await probe_once(aio, target.endpoint, timeout)
+        probe = await probe_once(aio, target.endpoint, timeout, target.node_id, plaintext)
         book.record(target.node_id, target.endpoint, probe)
         if not probe.ok and book.states[target.node_id].failures == book.fail_limit:
             log.info("node %s at %s stopped answering: %s", target.node_id[:12], target.endpoint, probe.error)
@@ -106,9 +113,10 @@ def start_round(nursery: trio.Nursery, registry: Registry, aio: AioRun, busy: se
     room = max(0, config.max_in_flight - len(busy))
     candidates = [(e.node_id, e.advert.capability.endpoints[0]) for e in entries if e.advert.capability.endpoints]
     targets = pick(candidates, registry.probes.states, busy, min(config.max_per_round, room))
+    plain = {e.node_id for e in entries if e.advert.capability.insecure}
     for t in targets:
         busy.add(t.node_id)
-        nursery.start_soon(_probe, registry.probes, t, aio, config.timeout, busy)
+        nursery.start_soon(_probe, registry.probes, t, aio, config.timeout, busy, t.node_id in plain)
     return len(targets)
 
 

@@ -31,6 +31,8 @@ def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
         "range": [cap.range.start, cap.range.end],
         "role": cap.role,
         "n_layer": cap.n_layer,
+        # serves plaintext streams (--insecure): nothing it carries is private or pinned to its id
+        "insecure": cap.insecure,
         # measured by the node at start, one session, warm (meshnode/capabilities.py)
         "decode_tokens_per_second": round(tput.decode_tokens_per_second, 1),
         "prefill_tokens_per_second": round(tput.prefill_tokens_per_second, 1),

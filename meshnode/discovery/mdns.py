@@ -108,7 +108,7 @@ async def _learn(zc: Zeroconf, name: str, table: PeerTable, self_id: str, aio: A
     if node_id == self_id:
         return
     try:
-        cap = await aio(get_capability, endpoint, 5.0)
+        cap = await aio(get_capability, endpoint, 5.0, node_id or None)  # TLS pinned to the advertised id
         check_attested(endpoint, cap, int(time.time()))
         if cap.node_id != node_id:
             raise errors.AttestationMismatchError(f"advertised as {node_id} but attests {cap.node_id}", hop=endpoint)
@@ -131,7 +131,7 @@ async def _keep_alive(table: PeerTable, aio: AioRun) -> None:
             if entry.source != "mdns":
                 continue
             try:
-                await aio(health, entry.endpoint, 3.0)
+                await aio(health, entry.endpoint, 3.0, entry.node_id)
             except errors.MeshnodeError:
                 table.feed(Gone(entry.node_id))
                 continue

@@ -119,6 +119,8 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     OPEN_REPLAYED: _ErrorCode.ValueType  # 34
     OPEN_MISMATCH: _ErrorCode.ValueType  # 35
     OPEN_UNAUTHENTICATED: _ErrorCode.ValueType  # 36
+    PEER_IMPOSTOR: _ErrorCode.ValueType  # 37
+    TRANSPORT_INSECURE: _ErrorCode.ValueType  # 38
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper): ...
 
@@ -159,6 +161,8 @@ OPEN_EXPIRED: ErrorCode.ValueType  # 33
 OPEN_REPLAYED: ErrorCode.ValueType  # 34
 OPEN_MISMATCH: ErrorCode.ValueType  # 35
 OPEN_UNAUTHENTICATED: ErrorCode.ValueType  # 36
+PEER_IMPOSTOR: ErrorCode.ValueType  # 37
+TRANSPORT_INSECURE: ErrorCode.ValueType  # 38
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
 @_typing.final
@@ -679,6 +683,7 @@ class Capability(_message.Message):
     THROUGHPUT_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     MODEL_FILE_FIELD_NUMBER: _builtins.int
+    INSECURE_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """this node's schema version"""
     service: _builtins.str
@@ -709,6 +714,10 @@ class Capability(_message.Message):
     """this node's id (meshnode.identity)"""
     model_file: _builtins.str
     """file name of the source GGUF, no directory ("SmolLM2-135M-Instruct.Q4_1.gguf"):"""
+    insecure: _builtins.bool
+    """generate --mesh finds the model by it, as by model_name or the fingerprint
+    serves plaintext (--insecure): no TLS, nothing pinned to its node id
+    """
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the range this node serves"""
@@ -762,10 +771,11 @@ class Capability(_message.Message):
         throughput: Global___Throughput | None = ...,
         endpoints: _abc.Iterable[_builtins.str] | None = ...,
         model_file: _builtins.str = ...,
+        insecure: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attestation", b"attestation", "hardware", b"hardware", "limits", b"limits", "numerics", b"numerics", "range", b"range", "throughput", b"throughput"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "endpoints", b"endpoints", "hardware", b"hardware", "has_vocab", b"has_vocab", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_file", b"model_file", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service", "throughput", b"throughput"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "attestation", b"attestation", "endpoints", b"endpoints", "hardware", b"hardware", "has_vocab", b"has_vocab", "insecure", b"insecure", "limits", b"limits", "llama_build", b"llama_build", "max_sessions", b"max_sessions", "model_file", b"model_file", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "n_embd", b"n_embd", "n_layer", b"n_layer", "node_id", b"node_id", "node_version", b"node_version", "numerics", b"numerics", "range", b"range", "range_digest", b"range_digest", "role", b"role", "schema_version", b"schema_version", "service", b"service", "throughput", b"throughput"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -231,7 +231,7 @@ class HopSession:
         nxt_open = parse_open(nxt.signed_open)  # the next hop checks it in full; this one needs it whole
         if nxt_open.initiator_node_id != self.route_open.initiator_node_id:
             raise errors.OpenForgedError("the next hop's open is signed by another initiator")
-        self.downstream = FrameStream(nxt.endpoint)
+        self.downstream = FrameStream(nxt.endpoint, nxt_open.hop_node_id)  # TLS pinned to the node the open names
         fwd = pb.SessionOpen()
         fwd.CopyFrom(o)
         fwd.range.CopyFrom(nxt.range)

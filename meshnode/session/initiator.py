@@ -157,7 +157,7 @@ class RouteSession:
         self.limits = pb.FlowLimits()
         #: Generate results read and not yet acknowledged with a CreditGrant
         self._owed = 0
-        self._stream = FrameStream(peers[0])
+        self._stream = FrameStream(peers[0], self.caps[0].node_id)
 
     async def _write(self, frame: pb.SessionFrame) -> None:
         await self._stream.write(frame)
@@ -252,7 +252,7 @@ class RouteSession:
         self.peers, self.caps = list(peers), list(caps)
         self.epoch += 1
         self._owed = 0
-        self._stream = FrameStream(self.peers[0])
+        self._stream = FrameStream(self.peers[0], self.caps[0].node_id)
         t0 = time.perf_counter()
         accepted = await self.open(resume=True)
         log.info("resumed route open in %.3fs; hops hold %s positions", time.perf_counter() - t0,
@@ -345,7 +345,7 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
     check_generate(cfg)
     caps = await check_route(peers)
     spare_caps = await _spare_capabilities([s for s in spares if s not in peers], caps[0])
-    prompt, bos, cfg = await _prompt(peers[-1], cfg)  # the tail carries the vocabulary
+    prompt, bos, cfg = await _prompt(peers[-1], cfg, caps[-1].node_id)  # the tail carries the vocabulary
     # the route's context is its smallest hop's (hops may differ: it is not a numerics setting)
     ctx, smallest = min((c.numerics.n_ctx_per_session, p) for p, c in zip(peers, caps, strict=True))
     if cfg.max_tokens == 0:
@@ -366,14 +366,14 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
         raise
 
 
-async def _prompt(tail: str, cfg: GenerateConfig) -> tuple[list[int], int, GenerateConfig]:
+async def _prompt(tail: str, cfg: GenerateConfig, tail_id: str) -> tuple[list[int], int, GenerateConfig]:
     """The prompt's tokens and the vocabulary's BOS id, from the tail; for a chat, ``cfg`` gains the
     chat format's stop strings (as ``create_chat_completion`` adds them to the caller's)."""
     if cfg.messages:
-        prompt, bos, stops = await tokenize_chat(tail, list(cfg.messages))
+        prompt, bos, stops = await tokenize_chat(tail, list(cfg.messages), node_id=tail_id)
         cfg = replace(cfg, stop=cfg.stop + tuple(s for s in stops if s and s not in cfg.stop))
     else:
-        prompt, bos = await tokenize_with_bos(tail, cfg.prompt)
+        prompt, bos = await tokenize_with_bos(tail, cfg.prompt, node_id=tail_id)
     if not prompt:
         raise errors.InputError("the prompt tokenizes to nothing")
     return prompt, bos, cfg
@@ -555,7 +555,8 @@ class _Run:
             await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(pause * 2, 2.0)
             try:
-                cap = await get_capability(endpoint, max(min(2.0, deadline - time.monotonic()), 0.1))
+                cap = await get_capability(endpoint, max(min(2.0, deadline - time.monotonic()), 0.1),
+                                           node_id=was.node_id)  # the same node back, not whoever took its port
                 check_attested(endpoint, cap, int(time.time()))
             except errors.MeshnodeError:
                 continue

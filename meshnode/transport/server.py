@@ -10,8 +10,9 @@ import trio
 
 from meshnode.errors import InputError
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.transport import security
 from meshnode.transport.aiothread import AioRun
-from meshnode.transport.client import channel_options
+from meshnode.transport.security import channel_options
 
 
 def split_hostport(text: str, flag: str = "--listen") -> tuple[str, int]:
@@ -46,13 +47,14 @@ def check_listen(listen: str) -> None:
             raise InputError(f"cannot listen on {listen}: {e.strerror}{hint}") from e
 
 
-async def _start(servicer: pb_grpc.NodeServicer, listen: str) -> tuple[grpc.aio.Server, int]:
+async def _start(servicer: pb_grpc.NodeServicer, listen: str,
+                 tls: tuple[bytes, bytes] | None) -> tuple[grpc.aio.Server, int]:
     # no SO_REUSEPORT (grpc's default on Linux): with it a second node on the same port would
     # bind too, and the kernel would split connections between the two
     server = grpc.aio.server(options=[*channel_options(), ("grpc.so_reuseport", 0)])
     pb_grpc.add_NodeServicer_to_server(servicer, server)
     try:
-        port = server.add_insecure_port(listen)
+        port = security.add_port(server, listen, *(tls or (None, None)))
     except RuntimeError as e:
         raise InputError(f"cannot listen on {listen}: {e}") from e
     await server.start()
@@ -60,15 +62,17 @@ async def _start(servicer: pb_grpc.NodeServicer, listen: str) -> tuple[grpc.aio.
 
 
 async def serve_grpc(servicer: pb_grpc.NodeServicer, listen: str, *, aio: AioRun, grace: float = 2.0,
+                     tls: tuple[bytes, bytes] | None = None,
                      task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; the server lives on the loop ``aio`` runs coroutines on.
 
+    ``tls``: the node's (key, certificate) PEM (identity/tlscert.py); None only under ``--insecure``.
     Reports ``host:port`` (the real bound port, for port 0) through
     ``task_status.started`` only once the server accepts connections. On
     cancellation it stops the server with a bounded, shielded grace period.
     """
     host, _ = split_hostport(listen)
-    server, port = await aio(_start, servicer, listen)
+    server, port = await aio(_start, servicer, listen, tls)
     try:
         task_status.started(f"{host}:{port}")
         await trio.sleep_forever()

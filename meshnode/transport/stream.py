@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from typing import Any
 
 import grpc
 
@@ -30,18 +31,35 @@ from meshnode.transport.client import open_channel, translate
 
 
 class FrameStream:
-    def __init__(self, endpoint: str) -> None:
+    """``node_id``: the node the caller means to reach (the channel is pinned to it: transport/security.py);
+    None pins whoever the endpoint's certificate names. The channel opens on the first write."""
+
+    def __init__(self, endpoint: str, node_id: str | None = None) -> None:
         self.endpoint = endpoint
-        self._channel = open_channel(endpoint)
-        self._call = pb_grpc.NodeStub(self._channel).Session()
+        self.node_id = node_id
+        self._channel: grpc.aio.Channel | None = None
+        self._call: Any = None
+        self._connecting = asyncio.Lock()
         #: replies owed by the other side, oldest first (``send`` mode)
         self._owed: collections.deque[asyncio.Future[pb.SessionReply]] = collections.deque()
         self._reader: asyncio.Task[None] | None = None
         self._broken: errors.MeshnodeError | None = None
 
+    async def _connect(self) -> Any:
+        """The Session call, opened (TLS pinned to ``node_id``) on first use."""
+        if self._call is None:
+            async with self._connecting:
+                if self._call is None:
+                    if self._broken is not None:
+                        raise self._broken
+                    self._channel = await open_channel(self.endpoint, self.node_id)
+                    self._call = pb_grpc.NodeStub(self._channel).Session()
+        return self._call
+
     async def write(self, frame: pb.SessionFrame) -> None:
+        call = await self._connect()
         try:
-            await self._call.write(frame)
+            await call.write(frame)
         except grpc.aio.AioRpcError as e:
             raise translate(e, self.endpoint, "Session") from e
         except asyncio.InvalidStateError as e:  # grpc: the call already ended (the peer died)
@@ -51,7 +69,7 @@ class FrameStream:
         """The next reply (error frames included); DeadlineError after ``timeout`` seconds."""
         try:
             async with asyncio.timeout(timeout):  # in this task: wait_for would start one per read
-                reply = await self._call.read()
+                reply = await (await self._connect()).read()
         except TimeoutError:
             raise errors.DeadlineError(f"no answer within {timeout:.1f}s", hop=self.endpoint) from None
         except grpc.aio.AioRpcError as e:
@@ -70,7 +88,8 @@ class FrameStream:
         try:
             await self.write(frame)
         except BaseException:
-            self._owed.remove(fut)
+            with contextlib.suppress(ValueError):  # the reader may have failed (and dropped) it already
+                self._owed.remove(fut)
             fut.cancel()
             raise
         if self._reader is None:
@@ -112,11 +131,13 @@ class FrameStream:
 
     async def close(self) -> None:
         """Hang up: half-close, cancel the call, fail every reply still owed."""
-        with contextlib.suppress(Exception):  # the call may be over already: closing is best effort
-            await self._call.done_writing()
-        self._call.cancel()
+        if self._call is not None:
+            with contextlib.suppress(Exception):  # the call may be over already: closing is best effort
+                await self._call.done_writing()
+            self._call.cancel()
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.wait([self._reader])  # its end is collected there (it fails what is owed)
         self._fail(errors.PeerError("the session stream was closed", hop=self.endpoint))
-        await self._channel.close(grace=None)
+        if self._channel is not None:
+            await self._channel.close(grace=None)
