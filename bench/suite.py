@@ -12,6 +12,9 @@ Sections (``--only`` picks some), each printing both sides' figures, thread coun
   2048-token prompt >= 1.5 x faster than the whole model.
 * **batched** -- 8 concurrent sessions, unpinned: route aggregate decode >= 0.90 x the whole model
   batched at its best thread count.
+* **tls** -- what TLS costs: the pinned route's single-session decode through ``meshnode generate`` with
+  TLS (the default) and with ``--insecure`` (nodes and client), the two routes measured in turn,
+  ``--runs`` rounds. Target: with TLS >= 0.97 x without.
 * **memory** -- ``bench.memory_bench`` on the synthetic 1.3 GB model: half-range nodes <= 0.60 x the
   whole process's peak RSS, third-range nodes <= 0.45 x.
 
@@ -32,7 +35,7 @@ from typing import Any
 
 from bench import paths
 
-SECTIONS = ("one-machine", "pinned", "batched", "memory")
+SECTIONS = ("one-machine", "pinned", "batched", "tls", "memory")
 #: copies of route_bench's paragraph in the prefill prompt: 2,055 tokens, just over 2,048
 PREFILL_REPEAT = 26
 
@@ -171,6 +174,26 @@ def pinned(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     return {"whole": w, "cli": cli, "route_prefill_s": r_pre, "route_batched": routes, "load": load()}
 
 
+def tls(model: Path, runs: int, rep: Report) -> dict[str, Any]:
+    from meshnode.launch import local_route
+
+    print(f"\n== TLS: the pinned route with TLS and with --insecure, in turn (load average {load()})", flush=True)
+    extra = ["--ctx-size", "2560", "--max-sessions", "8"]
+    secure, plain = [], []
+    with (local_route(model, ["0:15", "15:30"], extra=extra, cpus=[[0], [1]]) as tls_nodes,
+          local_route(model, ["0:15", "15:30"], extra=[*extra, "--insecure"], cpus=[[0], [1]]) as plain_nodes):
+        a, b = [n.endpoint for n in tls_nodes], [n.endpoint for n in plain_nodes]
+        for _ in range(runs):  # interleaved: the host's drift hits both alike
+            secure += paths.cli_decode(a, 1, cpus=[0])["runs"]
+            plain += paths.cli_decode(b, 1, cpus=[0], extra=["--insecure"])["runs"]
+    s, p = statistics.median(secure), statistics.median(plain)
+    print(f"  with TLS {s:.1f} tok/s {[round(x, 1) for x in secure]}; --insecure {p:.1f} tok/s "
+          f"{[round(x, 1) for x in plain]}", flush=True)
+    rep.add("TLS (pinned): decode with TLS / without", s, p, "tok/s", 0.97,
+            note="(`meshnode generate`; nodes on cores 0 and 1; 'whole' = the same route with --insecure)")
+    return {"tls_tps": secure, "insecure_tps": plain, "load": load()}
+
+
 def batched(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     from bench.batch_bench import run_route
     from meshnode.launch import local_route
@@ -230,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "memory":
             out[name] = memory(rep)
         else:
-            out[name] = {"one-machine": one_machine, "pinned": pinned, "batched": batched}[name](model, ns.runs, rep)
+            out[name] = {"one-machine": one_machine, "pinned": pinned, "batched": batched,
+                         "tls": tls}[name](model, ns.runs, rep)
     rep.print()
     print("load averages at each section's end: "
           + "; ".join(f"{k} {v.get('load', '?') if isinstance(v, dict) else '?'}" for k, v in out.items())

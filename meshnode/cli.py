@@ -167,7 +167,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if cfg.api:
         from meshnode.api.run import check_exposure
 
-        check_exposure(api_config(cfg.api, cfg.api_key))  # before any work: a key is needed off loopback
+        check_exposure(api_config(cfg.api, cfg.api_key, insecure=cfg.insecure))  # a key (and TLS) off loopback
     if not ns.verbose:
         silence_llama_logs()
 
@@ -237,6 +237,9 @@ def check_url(url: str, flag: str = "--tracker") -> None:
         ok = False
     if not ok:
         raise errors.InputError(f"{flag} {url!r} is not a URL like http://HOST:PORT")
+    from meshnode.httptls import pin_of
+
+    pin_of(url)  # a #sha256= pin, if any, is well formed and goes with https://
 
 
 def _stream_printer(as_json: bool) -> Callable[[int | None, bytes], None]:
@@ -374,11 +377,11 @@ def api_key_of(api_key: str | None) -> str | None:
     return api_key or os.environ.get("MESHNODE_API_KEY") or None
 
 
-def api_config(listen: str, api_key: str | None) -> Any:
+def api_config(listen: str, api_key: str | None, *, insecure: bool = False, tls: Any = None) -> Any:
     """The API's settings from flags; the key may come from $MESHNODE_API_KEY (not visible in ps)."""
     from meshnode.api import ApiConfig
 
-    return ApiConfig(listen=listen, api_key=api_key_of(api_key))
+    return ApiConfig(listen=listen, api_key=api_key_of(api_key), insecure=insecure, tls=tls)
 
 
 def cmd_api(ns: argparse.Namespace) -> int:
@@ -393,7 +396,13 @@ def cmd_api(ns: argparse.Namespace) -> int:
         split_hostport(p)
     if not ns.request_timeout > 0:
         raise errors.InputError("--request-timeout must be a number of seconds > 0")
-    cfg = dataclasses.replace(api_config(ns.listen, ns.api_key), deadline=ns.request_timeout)
+    from meshnode.httptls import base_url, tls_of
+    from meshnode.paths import state_dir
+
+    host, _ = split_hostport(ns.listen)
+    tls = tls_of(ns, host, "the API", state_dir(), "api-tls")
+    cfg = dataclasses.replace(api_config(ns.listen, ns.api_key, insecure=ns.insecure, tls=tls),
+                              deadline=ns.request_timeout)
     check_exposure(cfg)
     source = MeshSource(peers=tuple(ns.peer), tracker=ns.tracker, mdns=ns.mdns)
 
@@ -401,7 +410,9 @@ def cmd_api(ns: argparse.Namespace) -> int:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 addr = await nursery.start(functools.partial(run_api, cfg, source))
-                print(f"meshnode: API listening on http://{addr}/v1", flush=True)
+                h, _, p = addr.rpartition(":")
+                note = f" (certificate sha256={tls.fingerprint})" if tls is not None else ""
+                print(f"meshnode: API listening on {base_url(h, int(p), tls)}/v1{note}", flush=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
 
@@ -571,7 +582,12 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--mdns", metavar="ADDR", help="find the mesh's nodes over mDNS on this interface address")
     api.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' (required off loopback; or $MESHNODE_API_KEY)")
-    api.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
+    api.add_argument("--insecure", action="store_true",
+                     help=INSECURE_HELP + "; also allows plain HTTP off loopback")
+    api.add_argument("--tls", action="store_true",
+                     help="serve HTTPS with a self-signed certificate made once and kept (its sha256 is printed)")
+    api.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    api.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
     api.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="cut a request that takes longer with 504 (default 600)")
     api.set_defaults(func=cmd_api)

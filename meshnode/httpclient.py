@@ -36,18 +36,41 @@ async def request(url: str, method: str = "GET", body: bytes = b"", *, content_t
     """
     import httpx  # ~3 MB and ~0.15 s of imports: paid only by programs that talk to a tracker
 
+    from meshnode import httptls
+
     host = _check_url(url)
+    pin = httptls.pin_of(url)
+    url = urllib.parse.urldefrag(url).url
     headers = {"Content-Type": content_type, "Accept-Encoding": "identity"}  # the cap counts what arrives
     try:
         with trio.fail_after(timeout):
+            u = urllib.parse.urlsplit(url)
+            verify = _tls() if pin is None else await httptls.pinned_context(u.hostname or "", u.port or 443, pin,
+                                                                            timeout)
             # trust_env=False: a mesh's tracker is reached directly, never through an HTTP(S)_PROXY of the user's
-            async with httpx.AsyncClient(timeout=timeout, trust_env=False, verify=_tls()) as client:
+            async with httpx.AsyncClient(timeout=timeout, trust_env=False, verify=verify) as client:
                 async with client.stream(method, url, content=body, headers=headers) as resp:
                     return resp.status_code, await _read_capped(resp, url, host, max_answer)
     except trio.TooSlowError:
         raise errors.PeerError(f"tracker {url} did not answer within {timeout:g}s", hop=host) from None
     except httpx.HTTPError as e:
-        raise errors.PeerError(f"tracker {url} unreachable: {e!r}", hop=host) from e
+        raise errors.PeerError(f"tracker {url} unreachable: {_why(e)}", hop=host) from e
+
+
+def _why(e: BaseException) -> str:
+    """What went wrong, from the deepest cause that says: httpx's ConnectError over a failed TLS handshake
+    carries an empty message of its own."""
+    import ssl
+
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return (f"its certificate did not verify ({seen.verify_message}): a tracker with a self-signed "
+                    "certificate is reached by its pin, URL#sha256=FINGERPRINT as the tracker printed it")
+        if isinstance(seen, ssl.SSLError):
+            return f"TLS handshake failed ({seen.reason or seen})"
+        seen = seen.__cause__ or seen.__context__
+    return str(e) or repr(e)
 
 
 async def _read_capped(resp: httpx.Response, url: str, host: str, limit: int) -> bytes:
@@ -79,6 +102,13 @@ def _tls() -> ssl.SSLContext:
     import httpx
 
     return httpx.create_ssl_context(trust_env=False)
+
+
+def tracker_url(base: str, path: str) -> str:
+    """``base`` (a tracker's URL, perhaps with a ``#sha256=`` pin) with ``path`` (and query) appended; the pin
+    stays the URL's fragment."""
+    url, frag = urllib.parse.urldefrag(base)
+    return url.rstrip("/") + path + (f"#{frag}" if frag else "")
 
 
 def _check_url(url: str) -> str:

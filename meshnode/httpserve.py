@@ -29,6 +29,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnode import errors
+from meshnode.httptls import TLSFiles
 
 log = logging.getLogger("meshnode.http")
 # hypercorn announces each bind as "Running on ... (CTRL + C to quit)"; our services print their own line
@@ -53,9 +54,11 @@ class ServeLimits:
     graceful: float = 2.0
 
 
-def hypercorn_config(host: str, port: int, limits: ServeLimits) -> Config:
-    """A hypercorn Config for one plain-HTTP listener with ``limits``."""
+def hypercorn_config(host: str, port: int, limits: ServeLimits, tls: TLSFiles | None = None) -> Config:
+    """A hypercorn Config for one listener with ``limits``: HTTPS with ``tls``, else plain HTTP."""
     config = Config()
+    if tls is not None:
+        config.certfile, config.keyfile = str(tls.cert), str(tls.key)
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.h11_max_incomplete_size = limits.max_head
     config.keep_alive_timeout = limits.keep_alive
@@ -68,6 +71,7 @@ def hypercorn_config(host: str, port: int, limits: ServeLimits) -> Config:
 
 
 async def serve_asgi(app: Any, host: str, port: int, *, limits: ServeLimits = ServeLimits(),
+                     tls: TLSFiles | None = None,
                      task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` on ``host:port`` until cancelled; reports the bound port once it listens.
 
@@ -77,7 +81,7 @@ async def serve_asgi(app: Any, host: str, port: int, *, limits: ServeLimits = Se
     trigger needed). InputError if the address cannot be bound (in use, not
     this machine's).
     """
-    config = hypercorn_config(host, port, limits)
+    config = hypercorn_config(host, port, limits, tls)
     listening = False
     try:
         async with trio.open_nursery() as nursery:

@@ -18,7 +18,7 @@ import trio
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.gguf.model import fingerprint, inspect_model
-from meshnode.httpclient import request
+from meshnode.httpclient import request, tracker_url
 from meshnode.routing.assign import coverage, weakest_range
 from meshnode.runtime import Running, find_nodes, probe
 from meshnode.transport.aiothread import AioThread, open_aio_thread
@@ -31,7 +31,7 @@ def replicas_per_layer(ranges: list[tuple[int, int]], n_layer: int) -> list[int]
 
 
 async def _tracker_ranges(url: str, fp: str) -> list[tuple[int, int]]:
-    status, body = await request(url.rstrip("/") + "/api/lookup?" + urllib.parse.urlencode({"model": fp}))
+    status, body = await request(tracker_url(url, "/api/lookup?" + urllib.parse.urlencode({"model": fp})))
     if status != 200:
         raise errors.PeerError(f"tracker lookup failed with HTTP {status}", hop=url)
     with _garbled(url):
@@ -176,7 +176,7 @@ def status(nodes: list[Running]) -> dict[str, Any]:
 
 
 async def _tracker_peers(tracker: str, model: str) -> list[dict[str, Any]]:
-    st, body = await request(tracker.rstrip("/") + "/api/status")
+    st, body = await request(tracker_url(tracker, "/api/status"))
     if st != 200:
         return []
     with _garbled(tracker):

@@ -253,8 +253,8 @@ async def _serve_api(nursery: trio.Nursery, config: NodeConfig, aio: AioThread, 
 
     assert config.api is not None
     source = MeshSource(peers=(addr,), tracker=config.tracker, mdns=config.mdns_interface)
-    bound = await nursery.start(functools.partial(run_api, ApiConfig(listen=config.api, api_key=config.api_key),
-                                                  source, aio=aio))
+    api = ApiConfig(listen=config.api, api_key=config.api_key, insecure=config.insecure)
+    bound = await nursery.start(functools.partial(run_api, api, source, aio=aio))
     log.info("API on http://%s/v1", bound)
     return f"http://{bound}/v1"
 

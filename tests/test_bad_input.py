@@ -98,8 +98,7 @@ def test_a_grpc_server_that_is_not_a_meshnode(route2):
         assert "--insecure" in proc.stderr
         assert f"127.0.0.1:{port}" in proc.stderr
         # a plaintext client reaches it, and finds it is not a meshnode
-        proc = cli("generate", "--insecure", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint,
-                   "--prompt", PROMPT)
+        proc = cli("generate", "--insecure", "--peer", f"127.0.0.1:{port}", "--prompt", PROMPT)
         assert proc.returncode == 1
         assert "NOT_A_MESHNODE" in proc.stderr
         assert f"127.0.0.1:{port}" in proc.stderr
@@ -113,8 +112,12 @@ def test_a_tcp_server_that_is_not_grpc(route2):
         s.listen()
         port = s.getsockname()[1]
         proc = cli("generate", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint, "--prompt", PROMPT)
-    assert proc.returncode == 1
-    assert "PEER_UNAVAILABLE" in proc.stderr or "DEADLINE_EXCEEDED" in proc.stderr
+        assert proc.returncode == 1
+        assert "TRANSPORT_INSECURE" in proc.stderr  # it accepts the connection and never answers the TLS hello
+        plain = cli("generate", "--insecure", "--peer", f"127.0.0.1:{port}", "--peer", route2[1].endpoint,
+                    "--prompt", PROMPT)
+    assert plain.returncode == 1
+    assert "PEER_UNAVAILABLE" in plain.stderr or "DEADLINE_EXCEEDED" in plain.stderr
 
 
 async def test_a_peer_serving_another_model_is_refused(model, tmp_path, route2, node_factory):

@@ -975,7 +975,7 @@ HEAD_OPEN_FAULTS = {  # (code, whose error: the head, the tail behind it, or the
     "unreachable": "PEER_UNAVAILABLE",
     "downstream_forged": "OPEN_FORGED",
     "downstream_range": "RANGE_MISMATCH",
-    "downstream_is_head": "RANGE_MISMATCH",
+    "downstream_is_head": "PEER_IMPOSTOR",  # the endpoint's certificate names the head, not the tail the open names
 }
 
 

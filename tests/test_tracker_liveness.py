@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from meshnode import errors
-from meshnode.identity import NodeIdentity
+from meshnode.identity import NodeIdentity, tlscert
 from meshnode.identity.advert import advertise, verify_advert
 from meshnode.identity.attest import attest
 from meshnode.proto import node_pb2 as pb
@@ -148,8 +148,9 @@ def test_a_failure_is_said_in_a_few_words():
 # -- views: dead nodes cover nothing, lookups leave them out -----------------------------------
 
 
-def _entry(a: int, b: int, endpoint: str, now: float, health: pb.HealthReply | None = None) -> Entry:
-    me = NodeIdentity.generate()
+def _entry(a: int, b: int, endpoint: str, now: float, health: pb.HealthReply | None = None,
+           me: NodeIdentity | None = None) -> Entry:
+    me = me or NodeIdentity.generate()
     cap = pb.Capability(node_id=me.node_id, model_fingerprint=FP, model_name="m", n_layer=30,
                         range=pb.LayerRange(start=a, end=b), range_digest="cd" * 32, endpoints=[endpoint],
                         attestation=attest(me, fingerprint=FP, start=a, end=b, range_digest="cd" * 32,
@@ -229,16 +230,18 @@ async def test_the_prober_marks_a_stopped_server_dead_and_a_silent_one_stalls_no
     closed.close()
     reg = Registry(tmp_path / "t.sqlite", ttl=TTL)
     fake = _HealthOnly()
+    good_id = NodeIdentity.generate()  # the prober pins the TLS certificate to the advertised id
     async with open_aio_thread("test-node") as aio, trio.open_nursery() as nursery:
         server = trio.CancelScope()
 
         async def serve(task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
             with server:
-                await serve_grpc(fake, "127.0.0.1:0", aio=aio.run, task_status=task_status)
+                await serve_grpc(fake, "127.0.0.1:0", aio=aio.run, tls=tlscert.make(good_id),
+                                 task_status=task_status)
 
         good = await nursery.start(serve)
         now = time.time()
-        entries = {name: _entry(0, 30, ep, now) for name, ep in
+        entries = {name: _entry(0, 30, ep, now, me=good_id if name == "good" else None) for name, ep in
                    (("good", good), ("silent", f"127.0.0.1:{silent.getsockname()[1]}"), ("refused", refused),
                     ("hostile", "unix:/run/meshnode.sock"))}
         for e in entries.values():

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -16,6 +17,7 @@ import trio
 
 from meshnode import errors
 from meshnode.httpserve import serve_asgi
+from meshnode.httptls import add_tls_flags, base_url, pin_note, tls_of
 from meshnode.paths import state_dir
 from meshnode.transport.server import split_hostport
 from tracker.app import Tracker
@@ -29,11 +31,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--listen", default="127.0.0.1:8700", help="HOST:PORT (port 0 = any free port)")
     ap.add_argument("--db", help="SQLite file (default: <state dir>/tracker.sqlite)")
     ap.add_argument("--ttl", type=float, default=30.0, help="seconds an entry lives without a heartbeat")
+    add_tls_flags(ap, "the tracker")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    host, port = split_hostport(ns.listen)
-    db = Path(ns.db) if ns.db else state_dir() / "tracker.sqlite"
-    db.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        host, port = split_hostport(ns.listen)
+        db = Path(ns.db) if ns.db else state_dir() / "tracker.sqlite"
+        db.parent.mkdir(parents=True, exist_ok=True)
+        tls = tls_of(ns, host, "the tracker", db.parent, "tracker-tls")
+    except errors.InputError as e:
+        print(f"meshnode-tracker: error: {e}", file=sys.stderr)
+        return 2
     registry = Registry(db, ns.ttl)
     tracker = Tracker(registry)
 
@@ -41,8 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(run_prober, registry)  # tracker/probe.py: liveness and live counters
-                bound = await nursery.start(serve_asgi, tracker.asgi(), host, port)
-                print(f"meshnode-tracker: status page http://{host}:{bound}/ listening on {host}:{bound}", flush=True)
+                bound = await nursery.start(functools.partial(serve_asgi, tracker.asgi(), host, port, tls=tls))
+                print(f"meshnode-tracker: status page {base_url(host, bound, tls)}/ listening on {host}:{bound}"
+                      f"{pin_note(tls, 'nodes use --tracker', host, bound)}", flush=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break

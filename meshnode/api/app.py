@@ -37,6 +37,7 @@ from meshnode import errors
 from meshnode.api import schema
 from meshnode.api.mesh import MeshView
 from meshnode.httpserve import read_body
+from meshnode.httptls import TLSFiles
 from meshnode.identity import NodeIdentity
 from meshnode.session.initiator import GenerateConfig, GenerationResult, generate
 from meshnode.session.sampling import random_seed
@@ -57,6 +58,10 @@ class ApiConfig:
     deadline: float = 600.0
     #: seconds each step of a generation may take (a hop that stalls longer fails the request)
     step_timeout: float = 30.0
+    #: HTTPS certificate and key (meshnode.httptls); None: plain HTTP, loopback only unless ``insecure``
+    tls: TLSFiles | None = None
+    #: plain HTTP off loopback allowed (``--insecure``: a closed lab network)
+    insecure: bool = False
 
 
 #: what a generation reports to the request handling it, in order: pieces of text, then the end

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import ipaddress
 import logging
 from collections.abc import AsyncIterator
 
@@ -14,6 +13,7 @@ from meshnode import errors
 from meshnode.api.app import ApiConfig, Gateway
 from meshnode.api.mesh import MeshSource, MeshView
 from meshnode.httpserve import ServeLimits, serve_asgi
+from meshnode.httptls import base_url, check_plain, is_loopback, pin_note
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.server import split_hostport
 
@@ -24,21 +24,15 @@ LIMITS = ServeLimits(read_timeout=None)
 
 
 def check_exposure(config: ApiConfig) -> tuple[str, int]:
-    """The listen address; InputError if it is not loopback and no API key guards it."""
+    """The listen address; InputError if it is not loopback and no API key guards it, or the key
+    would cross the network in plain HTTP (no TLS and no ``--insecure``)."""
     host, port = split_hostport(config.listen)
     if config.api_key is None and not is_loopback(host):
         raise errors.InputError(f"--api {config.listen} is not a loopback address: give --api-key KEY "
                                 "(clients send it as 'Authorization: Bearer KEY')")
+    if config.tls is None:
+        check_plain(host, "the API", insecure=config.insecure)
     return host, port
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @contextlib.asynccontextmanager
@@ -64,8 +58,10 @@ async def run_api(config: ApiConfig, source: MeshSource, *, aio: AioThread | Non
         gateway = Gateway(mesh, thread, config)
         gateway.nursery = nursery
         try:
-            bound = await nursery.start(functools.partial(serve_asgi, gateway.asgi(), host, port, limits=LIMITS))
+            bound = await nursery.start(functools.partial(serve_asgi, gateway.asgi(), host, port, limits=LIMITS,
+                                                          tls=config.tls))
         except OSError as e:
             raise errors.InputError(f"cannot listen on {config.listen}: {e.strerror or e}") from None
-        log.info("API on http://%s:%d/v1 (%d models known)", host, bound, len(mesh.models()))
+        log.info("API on %s/v1 (%d models known)%s", base_url(host, bound, config.tls), len(mesh.models()),
+                 pin_note(config.tls, "clients pin", host, bound))
         task_status.started(f"{host}:{bound}")

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from meshnode import errors
 from meshnode.discovery.table import PeerEntry
-from meshnode.httpclient import request
+from meshnode.httpclient import request, tracker_url
 from meshnode.identity import NodeIdentity
 from meshnode.identity.advert import advertise, verify_advert
 from meshnode.proto import node_pb2 as pb
@@ -30,7 +30,7 @@ log = logging.getLogger("meshnode.tracker")
 
 
 async def register(url: str, env: pb.SignedEnvelope) -> None:
-    status, body = await request(url.rstrip("/") + "/api/register", "POST", env.SerializeToString(),
+    status, body = await request(tracker_url(url, "/api/register"), "POST", env.SerializeToString(),
                                  content_type="application/x-protobuf")
     if status != 200:
         try:
@@ -66,7 +66,7 @@ async def run_heartbeat(url: str, ident: NodeIdentity, capability: Callable[[], 
 
 async def tracker_models(url: str) -> list[tuple[str, str]]:
     """(fingerprint, name) of each model the tracker's status lists (for a "models seen" message)."""
-    status, body = await request(url.rstrip("/") + "/api/status")
+    status, body = await request(tracker_url(url, "/api/status"))
     if status != 200:
         raise errors.PeerError(f"tracker status failed with HTTP {status}", hop=url)
     try:
@@ -77,13 +77,13 @@ async def tracker_models(url: str) -> list[tuple[str, str]]:
 
 async def lookup(url: str, query: str) -> list[PeerEntry]:
     """The tracker's live nodes of model ``query``, each advertisement verified here."""
-    target = url.rstrip("/") + "/api/lookup?" + urllib.parse.urlencode({"model": query})
+    target = tracker_url(url, "/api/lookup?" + urllib.parse.urlencode({"model": query}))
     return _verified(url, await _nodes(url, target))
 
 
 async def lookup_all(url: str) -> list[PeerEntry]:
     """Every node the tracker lists (``/api/status``), each advertisement verified here."""
-    return _verified(url, await _nodes(url, url.rstrip("/") + "/api/status"))
+    return _verified(url, await _nodes(url, tracker_url(url, "/api/status")))
 
 
 async def _nodes(url: str, target: str) -> list[object]:

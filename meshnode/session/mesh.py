@@ -49,7 +49,7 @@ def covered(peers: list[PeerEntry]) -> bool:
 async def _measure(entry: PeerEntry, aio: AioRun) -> Candidate | None:
     t0 = time.perf_counter()
     try:
-        h = await aio(health, entry.endpoint, 3.0)
+        h = await aio(health, entry.endpoint, 3.0, entry.node_id)  # TLS pinned to the id the node advertised
     except errors.MeshnodeError:
         return None
     rtt = time.perf_counter() - t0

@@ -16,16 +16,14 @@ root it trusts. So:
 * a relay that only forwards bytes sees TLS records, nothing else.
 
 A caller that knows no node id yet (``--peer HOST:PORT``) learns it from the
-certificate, and from then on this process pins that endpoint to it; the
-capability read over that channel must be signed by the same id
-(``client.get_capability``). ``--insecure`` turns all of this off for a closed
+certificate; the capability read over that channel must be signed by the same
+id (``client.get_capability``), and every later channel names that id. ``--insecure`` turns all of this off for a closed
 lab network: plaintext both ways, said in the logs and on the tracker's page.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import ssl
 from collections.abc import Sequence
@@ -94,36 +92,47 @@ def _client_context() -> ssl.SSLContext:
 async def peer_certificate(endpoint: str, timeout: float = PIN_TIMEOUT) -> tuple[bytes, str]:
     """The DER certificate ``endpoint`` presents in a TLS 1.3 handshake, and the TLS version agreed."""
     host, port = _split(endpoint)
+    loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout):
-            _, writer = await asyncio.open_connection(host, port, ssl=_client_context(), server_hostname=TLS_NAME,
-                                                      ssl_handshake_timeout=timeout)
+            transport, _ = await loop.create_connection(asyncio.Protocol, host, port)
     except TimeoutError:
-        raise errors.DeadlineError(f"no TLS handshake within {timeout:.1f}s", hop=endpoint) from None
-    except ssl.SSLError as e:
-        raise errors.TransportSecurityError(
-            f"did not complete a TLS 1.3 handshake ({e.reason or e}): not a meshnode, or one started with "
-            "--insecure (plaintext; pass --insecure here too, on a closed network only)", hop=endpoint) from e
-    except (ConnectionError, OSError) as e:
+        raise errors.DeadlineError(f"no TCP connection within {timeout:.1f}s", hop=endpoint) from None
+    except OSError as e:
         raise errors.PeerError(f"unreachable ({e.strerror or e})", hop=endpoint) from e
+    try:  # connected: from here on, whatever goes wrong is the TLS handshake's
+        async with asyncio.timeout(timeout):
+            tls = await loop.start_tls(transport, transport.get_protocol(), _client_context(),
+                                       server_hostname=TLS_NAME, ssl_handshake_timeout=timeout)
+    except (TimeoutError, ssl.SSLError, OSError, EOFError) as e:
+        transport.abort()
+        why = "no answer" if isinstance(e, TimeoutError) else (getattr(e, "reason", None) or repr(e))
+        raise errors.TransportSecurityError(
+            f"did not complete a TLS 1.3 handshake ({why}): not a meshnode, or one started with --insecure "
+            "(plaintext; pass --insecure here too, on a closed network only)", hop=endpoint) from e
+    if tls is None:
+        transport.abort()
+        raise errors.TransportSecurityError("closed the connection during the TLS handshake", hop=endpoint)
     try:
-        sslobj = writer.get_extra_info("ssl_object")
+        sslobj = tls.get_extra_info("ssl_object")
         der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
         version = sslobj.version() if sslobj is not None else None
     finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(1.0):
-                await writer.wait_closed()
+        tls.abort()  # nothing more to say: the certificate was all it was asked for
     if not der:
         raise errors.TransportSecurityError("presented no certificate", hop=endpoint)
     return der, version or ""
 
 
 async def pin(endpoint: str, node_id: str | None = None) -> tuple[str, bytes]:
-    """(node id, certificate PEM) of ``endpoint``, checked: ImpostorError if it is not ``node_id``."""
+    """(node id, certificate PEM) of ``endpoint``, checked: ImpostorError if it is not ``node_id``.
+
+    With a ``node_id``, what this process already checked for the endpoint serves again; without
+    one the caller expects nobody in particular, so the certificate is read afresh (another node
+    may hold the endpoint now) and the pin follows it.
+    """
     hit = _pins.get(endpoint)
-    if hit is not None and (node_id is None or hit[0] == node_id):
+    if hit is not None and node_id is not None and hit[0] == node_id:
         return hit
     der, _ = await peer_certificate(endpoint)
     try:
