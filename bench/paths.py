@@ -82,11 +82,13 @@ def whole_prefill(model: Path, repeat: int, threads: int, n_ctx: int, cpus: Sequ
 
 
 def generate(peers: Sequence[str], prompt: str, max_tokens: int,
-             cpus: Sequence[int] = (), extra: Sequence[str] = ()) -> tuple[float, dict[str, Any]]:
+             cpus: Sequence[int] = (), extra: Sequence[str] = (),
+             prefix: Sequence[str] = ()) -> tuple[float, dict[str, Any]]:
     """One ``meshnode generate`` process, greedy: (wall seconds, its --json result). Its initiator key lives
     in a temporary state directory, not the user's ~/.local/state."""
-    cmd = [*taskset(cpus), sys.executable, "-m", "meshnode", "generate", *[a for p in peers for a in ("--peer", p)],
-           "--prompt", prompt, "--max-tokens", str(max_tokens), "--temperature", "0", "--json", *extra]
+    cmd = [*prefix, *taskset(cpus), sys.executable, "-m", "meshnode", "generate",
+           *[a for p in peers for a in ("--peer", p)], "--prompt", prompt, "--max-tokens", str(max_tokens),
+           "--temperature", "0", "--json", *extra]
     with tempfile.TemporaryDirectory(prefix="meshnode-gen-") as state:
         t0 = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -98,13 +100,13 @@ def generate(peers: Sequence[str], prompt: str, max_tokens: int,
 
 
 def cli_decode(peers: Sequence[str], runs: int, cpus: Sequence[int] = (),
-               extra: Sequence[str] = ()) -> dict[str, Any]:
+               extra: Sequence[str] = (), prefix: Sequence[str] = ()) -> dict[str, Any]:
     """Decode tok/s through the CLI, by difference: (tokens_long - tokens_short) / (wall_long - wall_short)."""
-    generate(peers, PROMPT, 4, cpus, extra)  # warm-up
+    generate(peers, PROMPT, 4, cpus, extra, prefix)  # warm-up
     rates, inner, tokens = [], [], []
     for _ in range(runs):
-        ts, short = generate(peers, PROMPT, SHORT, cpus, extra)
-        tl, long = generate(peers, PROMPT, LONG, cpus, extra)
+        ts, short = generate(peers, PROMPT, SHORT, cpus, extra, prefix)
+        tl, long = generate(peers, PROMPT, LONG, cpus, extra, prefix)
         rates.append((len(long["tokens"]) - len(short["tokens"])) / (tl - ts))
         inner.append(long["decode_tokens_per_second"])
         tokens = long["tokens"]

@@ -15,6 +15,9 @@ Sections (``--only`` picks some), each printing both sides' figures, thread coun
 * **tls** -- what TLS costs: the pinned route's single-session decode through ``meshnode generate`` with
   TLS (the default) and with ``--insecure`` (nodes and client), the two routes measured in turn,
   ``--runs`` rounds. Target: with TLS >= 0.97 x without.
+* **link** -- nodes on hosts of their own (network namespaces, bench/link_bench.py): link bytes per
+  decoded token and decode tok/s with the tail's link free and limited by ``tc tbf``, f32 and f16 on
+  the wire, beside what a serial model of compute plus bytes predicts. Needs root.
 * **memory** -- ``bench.memory_bench`` on the synthetic 1.3 GB model: half-range nodes <= 0.60 x the
   whole process's peak RSS, third-range nodes <= 0.45 x.
 
@@ -35,7 +38,7 @@ from typing import Any
 
 from bench import paths
 
-SECTIONS = ("one-machine", "pinned", "batched", "tls", "memory")
+SECTIONS = ("one-machine", "pinned", "batched", "tls", "link", "memory")
 #: copies of route_bench's paragraph in the prefill prompt: 2,055 tokens, just over 2,048
 PREFILL_REPEAT = 26
 
@@ -253,8 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "memory":
             out[name] = memory(rep)
         else:
+            from bench import link_bench
+
             out[name] = {"one-machine": one_machine, "pinned": pinned, "batched": batched,
-                         "tls": tls}[name](model, ns.runs, rep)
+                         "tls": tls, "link": link_bench.run}[name](model, ns.runs, rep)
     rep.print()
     print("load averages at each section's end: "
           + "; ".join(f"{k} {v.get('load', '?') if isinstance(v, dict) else '?'}" for k, v in out.items())

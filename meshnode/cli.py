@@ -24,6 +24,7 @@ from meshnode.executor.config import ExecConfig
 
 if TYPE_CHECKING:
     from meshnode.runtime import Running
+    from meshnode.session.hop import HopLimits
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -60,6 +61,20 @@ def _exec_config(ns: argparse.Namespace) -> ExecConfig:
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
         inline_decode=not getattr(ns, "decode_on_worker", False),
     )
+
+
+def _hop_limits(ns: argparse.Namespace) -> HopLimits:
+    """What one party may make this node do (session/admission.py), from flags and the config file."""
+    from meshnode.session.hop import HopLimits
+
+    base = HopLimits()
+    rate = base.opens_per_minute if ns.max_opens_per_minute is None else ns.max_opens_per_minute
+    detached = ns.max_detached or 0
+    if rate <= 0:
+        raise errors.InputError(f"--max-opens-per-minute must be above 0, not {rate:g}")
+    if detached < 0:
+        raise errors.InputError(f"--max-detached must be at least 1, not {detached}")
+    return HopLimits(opens_per_minute=rate, opens_burst=min(base.opens_burst, max(1.0, rate)), max_detached=detached)
 
 
 def _add_node_choice(p: argparse.ArgumentParser, which: str) -> None:
@@ -162,7 +177,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
-                     metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure)
+                     metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure,
+                     limits=_hop_limits(ns))
     _configure_security(ns)
     if cfg.api:
         from meshnode.api.run import check_exposure
@@ -386,7 +402,7 @@ def api_config(listen: str, api_key: str | None, *, insecure: bool = False, tls:
 
 def cmd_api(ns: argparse.Namespace) -> int:
     from meshnode.api import MeshSource, run_api
-    from meshnode.api.run import check_exposure
+    from meshnode.api.run import check_exposure, check_key
     from meshnode.transport.server import split_hostport
 
     if not (ns.peer or ns.tracker or ns.mdns):
@@ -399,7 +415,7 @@ def cmd_api(ns: argparse.Namespace) -> int:
     from meshnode.httptls import base_url, tls_of
     from meshnode.paths import state_dir
 
-    host, _ = split_hostport(ns.listen)
+    host, _ = check_key(ns.listen, api_key_of(ns.api_key))  # the key first: it is what guards the API
     tls = tls_of(ns, host, "the API", state_dir(), "api-tls")
     cfg = dataclasses.replace(api_config(ns.listen, ns.api_key, insecure=ns.insecure, tls=tls),
                               deadline=ns.request_timeout)
@@ -441,6 +457,9 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     p.add_argument("--rejoin-wait", type=float, default=5.0, metavar="SECONDS",
                    help="when a failed hop has no spare, wait this long for it to come back (default 5)")
+    p.add_argument("--step-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a hop that answers no step within this long is taken for failed: the route fails over "
+                        "(default 30; a silent network partition is noticed no sooner)")
     p.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                    help="residual dtype on the wire; f16 is NOT bit-exact")
     _add_exec_flags(p)
@@ -522,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --api: require 'Authorization: Bearer KEY' (needed off loopback; "
                             "or $MESHNODE_API_KEY)")
         p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
+        p.add_argument("--max-opens-per-minute", type=float, metavar="N",
+                       help="sessions one initiator may open here per minute, after a burst of 60 (default 600)")
+        p.add_argument("--max-detached", type=int, metavar="N",
+                       help="broken sessions kept for a resume at once (default: --max-sessions)")
         if name == "join":
             p.add_argument("--auto", action="store_true", help="take the range whose coverage is weakest")
             p.add_argument("--span", type=int, help="with --auto: layers to take (default: half the model)")

@@ -16,6 +16,8 @@
     metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
     api = "127.0.0.1:8080"      # an OpenAI-compatible API over the mesh (default: off)
     api_key = "..."             # Bearer key the API requires (needed when api is not on loopback)
+    max_opens_per_minute = 600  # sessions one initiator may open per minute (after a burst of 60)
+    max_detached = 4            # broken sessions kept for a resume at once (default: max_sessions)
 
 A flag given on the command line wins over the file; the file wins over the
 built-in default. Unknown keys are an error (a typo must not pass silently).
@@ -49,6 +51,8 @@ KEYS: dict[str, tuple[type, Any]] = {
     "api": (str, None),
     "api_key": (str, None),
     "insecure": (bool, False),
+    "max_opens_per_minute": (float, None),
+    "max_detached": (int, 0),
 }
 
 

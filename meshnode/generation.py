@@ -65,6 +65,7 @@ class Runner:
     max_tokens: int
     wire_dtype: int
     rejoin_wait: float
+    step_timeout: float
     #: what each run reports on stderr (the seed it drew)
     say: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr, flush=True))
 
@@ -76,6 +77,8 @@ class Runner:
             raise errors.InputError("--max-tokens must be at least 1")
         if ns.rejoin_wait < 0:
             raise errors.InputError("--rejoin-wait must be >= 0")
+        if not 0 < ns.step_timeout <= 3600:
+            raise errors.InputError(f"--step-timeout must be above 0 and at most 3600 seconds, not {ns.step_timeout:g}")
         if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
             raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
         if ns.mesh and not (ns.mdns or ns.tracker):
@@ -87,7 +90,7 @@ class Runner:
                      discover_timeout=ns.discover_timeout, model=ns.model, exec_config=_exec_config(ns),
                      sampling=sampling_from_flags(ns), seed=ns.seed, stop=tuple(ns.stop), max_tokens=ns.max_tokens,
                      wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
-                     rejoin_wait=ns.rejoin_wait)
+                     rejoin_wait=ns.rejoin_wait, step_timeout=ns.step_timeout)
         runner.config(prompt="", messages=(), announce=False)  # every setting checked before any work
         return runner
 
@@ -100,7 +103,8 @@ class Runner:
         if drawn and announce:  # on stderr: stdout stays the text (or the one JSON object)
             self.say(f"meshnode: sampling with seed {sampling.seed} (repeat this run with --seed {sampling.seed})")
         cfg = GenerateConfig(prompt=prompt, messages=messages, max_tokens=self.max_tokens, sampling=sampling,
-                             stop=self.stop, wire_dtype=self.wire_dtype, rejoin_wait=self.rejoin_wait)
+                             stop=self.stop, wire_dtype=self.wire_dtype, rejoin_wait=self.rejoin_wait,
+                             step_timeout=self.step_timeout)
         check_generate(cfg)
         return cfg
 

@@ -58,19 +58,20 @@ class NodeProcess:
 
 def start_node(model: Path, layers: str | None, *, extra: Sequence[str] = (), timeout: float = 120.0,
                state_dir: Path | None = None, command: str = "serve", log_json: bool = False,
-               cpus: Sequence[int] = ()) -> NodeProcess:
+               cpus: Sequence[int] = (), prefix: Sequence[str] = (), listen: str = "127.0.0.1:0") -> NodeProcess:
     """A ``meshnode serve`` child on 127.0.0.1, port 0; each gets its own identity
     (a fresh temporary state directory) unless ``state_dir`` is given. ``log_json``:
     its log (``stderr()``) is JSON lines at INFO, as under systemd. ``cpus``: run it
     under ``taskset -c`` on those CPUs only (a machine of its own, as the benchmark
-    simulates one)."""
+    simulates one). ``prefix``: a command it runs under (``ip netns exec NS``: a host of
+    its own, bench/netlab.py), listening on ``listen``."""
     own_state = None
     if state_dir is None:
         own_state = tempfile.TemporaryDirectory(prefix="meshnode-state-")
         state_dir = Path(own_state.name)
-    cmd = [*taskset(cpus), sys.executable, "-m", "meshnode", *(["--log-json"] if log_json else []), command,
+    cmd = [*prefix, *taskset(cpus), sys.executable, "-m", "meshnode", *(["--log-json"] if log_json else []), command,
            "--model", str(model),
-           *(["--layers", layers] if layers else []), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *extra]
+           *(["--layers", layers] if layers else []), "--listen", listen, "--state-dir", str(state_dir), *extra]
     log = tempfile.TemporaryFile(mode="w+")  # owned (and closed) by NodeProcess
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None

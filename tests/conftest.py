@@ -7,6 +7,8 @@ the end of its fixture's scope.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -17,12 +19,12 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
-import trio_asyncio
 
 from meshnode.errors import typed_leaf
 from meshnode.executor._bindings import silence_llama_logs
 from meshnode.launch import NodeProcess, local_route, start_node
 from meshnode.models import pull
+from meshnode.transport.aiothread import AioThread, _log_loop_error, _serve_loop
 
 PROMPT = "The three primary colors are"
 
@@ -132,11 +134,25 @@ def node_factory(model: Path) -> Iterator[Callable[..., NodeProcess]]:
         n.stop()
 
 
+_AIO: list[AioThread] = []
+
+
+def _tests_aio() -> AioThread:
+    """One asyncio loop on a thread of its own for the whole test session, as a node has one for its life
+    (meshnode/transport/aiothread.py). A loop per test would be closed while grpc still owes it completions
+    (a secure channel's shutdown): grpc's poller then fails on the closed loop inside the next test's."""
+    if not _AIO:
+        loop = asyncio.SelectorEventLoop()
+        loop.set_exception_handler(_log_loop_error)
+        threading.Thread(target=_serve_loop, args=(loop,), name="tests-aio", daemon=True).start()
+        _AIO.append(AioThread(loop))
+    return _AIO[0]
+
+
 async def aio(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run an asyncio coroutine function (the grpc.aio side) from a trio test."""
+    """Run an asyncio coroutine function (the grpc.aio side) from a trio test, on the tests' asyncio thread."""
     try:
-        async with trio_asyncio.open_loop():
-            return await trio_asyncio.aio_as_trio(fn)(*args, **kwargs)
+        return await _tests_aio().run(functools.partial(fn, *args, **kwargs))
     except BaseExceptionGroup as group:
         typed = typed_leaf(group)
         if typed is None:

@@ -21,6 +21,7 @@ from meshnode.httptls import add_tls_flags, base_url, pin_note, tls_of
 from meshnode.paths import state_dir
 from meshnode.transport.server import split_hostport
 from tracker.app import Tracker
+from tracker.limits import Bounds
 from tracker.probe import run_prober
 from tracker.registry import Registry
 
@@ -31,6 +32,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--listen", default="127.0.0.1:8700", help="HOST:PORT (port 0 = any free port)")
     ap.add_argument("--db", help="SQLite file (default: <state dir>/tracker.sqlite)")
     ap.add_argument("--ttl", type=float, default=30.0, help="seconds an entry lives without a heartbeat")
+    d = Bounds()
+    ap.add_argument("--register-rate", type=float, default=d.per_source_per_minute, metavar="N",
+                    help=f"registrations one source address may make per minute, after a burst of "
+                         f"{d.per_source_burst:g} (default {d.per_source_per_minute:g}; a node heartbeats 6 times "
+                         "a minute)")
+    ap.add_argument("--max-per-source", type=int, default=d.entries_per_source, metavar="N",
+                    help=f"nodes listed from one source address (default {d.entries_per_source})")
+    ap.add_argument("--max-entries", type=int, default=d.max_entries, metavar="N",
+                    help=f"nodes listed in all (default {d.max_entries}); a newcomer to a full table takes the place "
+                         "of a node the probes never reached")
     add_tls_flags(ap, "the tracker")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -39,10 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         db = Path(ns.db) if ns.db else state_dir() / "tracker.sqlite"
         db.parent.mkdir(parents=True, exist_ok=True)
         tls = tls_of(ns, host, "the tracker", db.parent, "tracker-tls")
+        if ns.register_rate <= 0 or ns.max_per_source < 1 or ns.max_entries < 1:
+            raise errors.InputError("--register-rate, --max-per-source and --max-entries must be positive")
+        bounds = Bounds(per_source_per_minute=ns.register_rate, per_source_burst=min(d.per_source_burst,
+                        max(1.0, ns.register_rate)), entries_per_source=ns.max_per_source, max_entries=ns.max_entries)
     except errors.InputError as e:
         print(f"meshnode-tracker: error: {e}", file=sys.stderr)
         return 2
-    registry = Registry(db, ns.ttl)
+    registry = Registry(db, ns.ttl, bounds=bounds)
     tracker = Tracker(registry)
 
     async def run() -> None:

@@ -8,13 +8,16 @@
 Every registration is verified (signature, signer = node id, attestation,
 freshness, seq strictly newer); a forgery or replay is refused with 403 and
 the error code, and changes nothing; a body over ``MAX_REGISTER_BODY`` is
-refused with 413 before it is read. Every other answer to a malformed request
+refused with 413 before it is read. What one source address may register is
+bounded (tracker/limits.py): over its rate, 429 with ``Retry-After`` before
+anything is verified; over its entries, 429; a full table, 503. Every other answer to a malformed request
 (bad framing, a huge head) is hypercorn's (``meshnode/httpserve.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -50,18 +53,27 @@ class Tracker:
     async def handle(self, req: Request) -> Response:
         route = (req.method, req.url.path)
         if route == ("POST", "/api/register"):
-            return self.register(await read_body(req, MAX_REGISTER_BODY))
+            source = req.client.host if req.client is not None else ""
+            wait = self.registry.rates.take(source, time.time())
+            if wait > 0:  # before the body is read or a signature checked: a flood costs a lookup each
+                b = self.registry.bounds
+                resp = error_response(429, "RATE_LIMITED", f"{source} sends more registrations than "
+                                      f"{b.per_source_per_minute:g} a minute (--register-rate); retry in {wait:.1f}s")
+                resp.headers["Retry-After"] = str(math.ceil(wait))
+                return resp
+            return self.register(await read_body(req, MAX_REGISTER_BODY), source)
         if route == ("GET", "/api/status"):
             return json_response(views.status(self._views()))
         if route == ("GET", "/api/lookup"):
-            return json_response(views.lookup(self._views(), req.query_params.get("model", "")))
+            query = req.query_params.get("model", "")
+            return json_response(views.lookup(views.current(self.registry, time.time(), query), query))
         if route == ("GET", "/"):
             return HTMLResponse(PAGE, headers=NO_STORE)
         if route == ("GET", "/healthz"):
             return json_response({"ok": True})
         return error_response(404, "NOT_FOUND", f"no route {req.method} {req.url.path}")
 
-    def register(self, body: bytes) -> Response:
+    def register(self, body: bytes, source: str = "") -> Response:
         now = time.time()
         try:
             env = pb.SignedEnvelope.FromString(body)
@@ -72,7 +84,14 @@ class Tracker:
             return error_response(403, e.code, e.message)
         except Exception as e:  # protobuf DecodeError on garbage
             return error_response(400, "PAYLOAD_CORRUPT", f"not a signed advertisement: {e}")
-        self.registry.register(env, ad, now)
+        slot = self.registry.place(node_id, source, now)
+        if not slot.admit:
+            log.warning("refused node %s from %s: %s", node_id, source, slot.why)
+            return error_response(slot.status, "RESOURCE_EXHAUSTED", slot.why)
+        if slot.evict is not None:
+            log.info("node %s (never reached by a probe) makes room for %s", slot.evict, node_id)
+            self.registry.remove(slot.evict)
+        self.registry.register(env, ad, now, source)
         return json_response({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})
 
     def _views(self) -> list[dict[str, object]]:

@@ -93,11 +93,11 @@ function model(m) {
   const state = m.covered ? "<span class='ok' data-k='coverage'>fully covered</span>" :
     "<span class='bad' data-k='coverage'>not covered</span>: " +
     m.gaps.map(g => layers(g[0], g[1])).join(", ") + " served by no live node";
-  const alive = m.nodes.length - m.dead.length;
+  const alive = m.node_count - m.dead_count;
   return "<div class='model" + (m.covered ? "" : " lost") + "' data-model='" + esc(m.fingerprint) + "'><b>" +
     esc(m.name) + "</b> <code class='muted'>" + esc(m.fingerprint.slice(0, 16)) + "&hellip;</code> &middot; " +
     plural(m.n_layer, "layer") + " &middot; " + plural(alive, "live node") +
-    (m.dead.length ? " (+" + m.dead.length + " dead)" : "") + " &middot; " + state + " &middot; " +
+    (m.dead_count ? " (+" + m.dead_count + " dead)" : "") + " &middot; " + state + " &middot; " +
     "<span data-k='active_sessions'>" + plural(m.active_sessions, "active session") + "</span>" +
     "<div class='scroll'><table class='cov'>" + rows + "</table></div></div>";
 }
@@ -134,7 +134,7 @@ async function refresh() {
     const dead = s.nodes.filter(n => !n.alive).length;
     document.getElementById("models-count").textContent = "· " + plural(s.models.length, "model");
     document.getElementById("nodes-count").textContent = "· " + plural(s.nodes.length, "node") +
-      (dead ? " (" + dead + " dead)" : "");
+      (dead ? " (" + dead + " dead)" : "") + (s.omitted.nodes ? " · " + s.omitted.nodes + " more not shown" : "");
     document.getElementById("models").innerHTML = s.models.length ? s.models.map(model).join("") :
       "<p class='muted'>no nodes registered</p>";
     document.querySelector("#nodes tbody").innerHTML = s.nodes.map(node).join("");

@@ -12,10 +12,13 @@ within seconds.
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshnode.identity.attest import CLOCK_SKEW
 from meshnode.proto import node_pb2 as pb
+from tracker.limits import Bounds, RateTable, Slot, place
 from tracker.liveness import FAIL_LIMIT, ProbeBook
 
 SCHEMA = """
@@ -31,6 +34,14 @@ CREATE TABLE IF NOT EXISTS seqs (  -- survives expiry: a replay stays refused
     seq     INTEGER NOT NULL
 );
 """
+#: columns added since the first schema: (table, column, definition)
+ADDED = (("nodes", "source", "TEXT NOT NULL DEFAULT ''"),  # the address it registered from
+         ("seqs", "at", "REAL NOT NULL DEFAULT 0"))        # when that seq was accepted
+#: a seq is forgotten this long after it was accepted: any advertisement of that node issued before
+#: it is older than CLOCK_SKEW by then, refused as stale whatever its seq
+SEQ_MEMORY = 2 * CLOCK_SKEW + 60
+#: seconds between sweeps of forgotten seqs
+SWEEP_EVERY = 60.0
 
 
 @dataclass(frozen=True)
@@ -40,16 +51,56 @@ class Entry:
     advert: pb.Advertisement
     last_seen: float
     first_seen: float
+    #: the address it registered from (bounds per source: tracker/limits.py)
+    source: str = ""
+
+
+@dataclass
+class _Index:
+    """The live entries in memory (SQLite keeps them across restarts): lookups never parse a row."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    per_source: dict[str, int] = field(default_factory=dict)
+
+    def put(self, e: Entry) -> None:
+        self.drop(e.node_id)
+        self.entries[e.node_id] = e
+        self.per_source[e.source] = self.per_source.get(e.source, 0) + 1
+
+    def drop(self, node_id: str) -> None:
+        old = self.entries.pop(node_id, None)
+        if old is not None:
+            left = self.per_source[old.source] - 1
+            if left:
+                self.per_source[old.source] = left
+            else:
+                del self.per_source[old.source]
 
 
 class Registry:
-    def __init__(self, path: Path | str, ttl: float, *, fail_limit: int = FAIL_LIMIT) -> None:
+    def __init__(self, path: Path | str, ttl: float, *, fail_limit: int = FAIL_LIMIT,
+                 bounds: Bounds | None = None) -> None:
         self.ttl = ttl
+        self.bounds = bounds or Bounds()
+        #: registrations per source address (tracker/limits.py)
+        self.rates = RateTable(self.bounds.per_source_per_minute / 60.0, self.bounds.per_source_burst)
         #: the prober's findings per node id (tracker/liveness.py)
         self.probes = ProbeBook(fail_limit)
         self.db = sqlite3.connect(str(path))
         self.db.executescript(SCHEMA)
-        self.db.commit()
+        now = time.time()
+        with self.db:
+            for table, column, definition in ADDED:
+                have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            self.db.execute("UPDATE seqs SET at = ? WHERE at = 0", (now,))  # rows from before the column
+        self._index = _Index()
+        for nid, blob, last, first, source in self.db.execute(
+                "SELECT node_id, envelope, last_seen, first_seen, source FROM nodes"):
+            env = pb.SignedEnvelope.FromString(blob)
+            self._index.put(Entry(nid, env, pb.Advertisement.FromString(env.payload), last, first, source))
+        self._swept = 0.0
 
     def close(self) -> None:
         self.db.close()
@@ -58,29 +109,61 @@ class Registry:
         row = self.db.execute("SELECT seq FROM seqs WHERE node_id = ?", (node_id,)).fetchone()
         return None if row is None else int(row[0])
 
-    def register(self, env: pb.SignedEnvelope, ad: pb.Advertisement, now: float) -> None:
+    def place(self, node_id: str, source: str, now: float) -> Slot:
+        """Whether ``node_id`` registering from ``source`` may be listed (tracker/limits.py ``place``)."""
+        self._expire(now)
+        idx = self._index
+        known = node_id in idx.entries
+        victim = None
+        if not known and len(idx.entries) >= self.bounds.max_entries:
+            unreached = [e for e in idx.entries.values() if not self._reached(e.node_id)]
+            victim = min(unreached, key=lambda e: e.last_seen).node_id if unreached else None
+        return place(known, source, idx.per_source.get(source, 0), len(idx.entries), victim, self.bounds)
+
+    def _reached(self, node_id: str) -> bool:
+        s = self.probes.states.get(node_id)
+        return s is not None and s.last_ok is not None
+
+    def remove(self, node_id: str) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
+        self._index.drop(node_id)
+        self.probes.states.pop(node_id, None)
+
+    def register(self, env: pb.SignedEnvelope, ad: pb.Advertisement, now: float, source: str = "") -> None:
         nid = ad.capability.node_id
         with self.db:
-            self.db.execute("INSERT INTO seqs(node_id, seq) VALUES(?, ?) ON CONFLICT(node_id) DO UPDATE SET seq = ?",
-                            (nid, ad.seq, ad.seq))
-            if ad.leaving:
-                self.db.execute("DELETE FROM nodes WHERE node_id = ?", (nid,))
-                self.probes.states.pop(nid, None)
-                return
+            self.db.execute("INSERT INTO seqs(node_id, seq, at) VALUES(?, ?, ?) "
+                            "ON CONFLICT(node_id) DO UPDATE SET seq = excluded.seq, at = excluded.at",
+                            (nid, ad.seq, now))
+        if ad.leaving:
+            self.remove(nid)
+            return
+        old = self._index.entries.get(nid)
+        first = old.first_seen if old is not None else now
+        with self.db:
             self.db.execute(
-                "INSERT INTO nodes(node_id, envelope, seq, last_seen, first_seen) VALUES(?, ?, ?, ?, ?) "
+                "INSERT INTO nodes(node_id, envelope, seq, last_seen, first_seen, source) VALUES(?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(node_id) DO UPDATE SET envelope = excluded.envelope, seq = excluded.seq, "
-                "last_seen = excluded.last_seen",
-                (nid, env.SerializeToString(), ad.seq, now, now),
+                "last_seen = excluded.last_seen, source = excluded.source",
+                (nid, env.SerializeToString(), ad.seq, now, first, source),
             )
+        self._index.put(Entry(nid, env, ad, now, first, source))
+
+    def _expire(self, now: float) -> None:
+        gone = [nid for nid, e in self._index.entries.items() if e.last_seen < now - self.ttl]
+        if gone:
+            with self.db:
+                self.db.execute("DELETE FROM nodes WHERE last_seen < ?", (now - self.ttl,))
+            for nid in gone:
+                self._index.drop(nid)
+        if now - self._swept >= SWEEP_EVERY:
+            self._swept = now
+            with self.db:
+                self.db.execute("DELETE FROM seqs WHERE at < ?", (now - SEQ_MEMORY,))
+            self.probes.keep(self._index.entries)
 
     def live(self, now: float) -> list[Entry]:
-        with self.db:
-            self.db.execute("DELETE FROM nodes WHERE last_seen < ?", (now - self.ttl,))
-        out = []
-        for nid, blob, last, first in self.db.execute(
-            "SELECT node_id, envelope, last_seen, first_seen FROM nodes ORDER BY node_id"
-        ):
-            env = pb.SignedEnvelope.FromString(blob)
-            out.append(Entry(nid, env, pb.Advertisement.FromString(env.payload), last, first))
-        return out
+        """The entries heard from within the TTL, by node id."""
+        self._expire(now)
+        return [self._index.entries[k] for k in sorted(self._index.entries)]

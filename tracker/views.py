@@ -13,6 +13,14 @@ from tracker.registry import Entry, Registry
 #: layers a model is shown with at most: n_layer is the node's claim, and the coverage map is a list per layer
 #: (the deepest models known have a few hundred)
 MAX_LAYERS = 1024
+#: nodes /api/status lists at most (live ones first; the rest are counted in "omitted")
+MAX_NODES_SHOWN = 1000
+#: models /api/status lists at most (those with a node the probes reached first)
+MAX_MODELS_SHOWN = 100
+#: nodes a model's card lists at most (its coverage counts every live node)
+MAX_MODEL_ROWS = 64
+#: nodes one /api/lookup answers with at most (those the probes reached first): routes need a few
+MAX_LOOKUP = 256
 
 
 def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
@@ -75,10 +83,14 @@ def probe_view(s: ProbeState | None, now: float) -> dict[str, Any] | None:
             "rtt_ms": round(s.rtt * 1e3, 2), "ok_total": s.ok_total, "failed_total": s.failed_total}
 
 
-def current(registry: Registry, now: float) -> list[dict[str, Any]]:
-    """The view of every registered node, judged with what the probes found."""
+def current(registry: Registry, now: float, query: str | None = None) -> list[dict[str, Any]]:
+    """The view of every registered node (of the model ``query`` names, if given), judged with what the
+    probes found."""
     out = []
     for e in registry.live(now):
+        cap = e.advert.capability
+        if query is not None and not model_matches(cap.model_fingerprint, cap.model_name, query, cap.model_file):
+            continue
         endpoint = e.advert.capability.endpoints[0] if e.advert.capability.endpoints else None
         out.append(node_view(e, now, registry.ttl, registry.probes.get(e.node_id, endpoint),
                              registry.probes.fail_limit))
@@ -94,9 +106,19 @@ def matches(view: dict[str, Any], query: str) -> bool:
     return model_matches(str(view["model"]), str(view["model_name"]), query, str(view.get("model_file", "")))
 
 
+def rank(v: dict[str, Any]) -> tuple[bool, bool, str]:
+    """Live nodes first, those the tracker's probes reached before those only heard from; then by id. A flood of
+    fresh keys registers nodes nobody can reach: they are listed after every node that answers."""
+    probe = v.get("probe")
+    reached = probe is not None and probe["last_ok_seconds_ago"] is not None
+    return (not v["alive"], not reached, v["node_id"])
+
+
 def lookup(views: list[dict[str, Any]], query: str) -> dict[str, Any]:
-    """The answer to /api/lookup: the *live* nodes of one model (nodes build routes from it)."""
-    return {"model": query, "nodes": [v for v in views if v["alive"] and matches(v, query)]}
+    """The answer to /api/lookup: the *live* nodes of one model (nodes build routes from it), reached ones first,
+    at most MAX_LOOKUP."""
+    found = sorted((v for v in views if v["alive"] and matches(v, query)), key=rank)
+    return {"model": query, "nodes": found[:MAX_LOOKUP], "omitted": max(0, len(found) - MAX_LOOKUP)}
 
 
 def coverage(nodes: list[dict[str, Any]], n_layer: int) -> list[list[str]]:
@@ -129,18 +151,32 @@ def route_sessions(nodes: list[dict[str, Any]], n_layer: int) -> int:
 
 
 def status(views: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per model: which live node serves each layer; dead nodes are listed but cover nothing."""
+    """Per model: which live node serves each layer; dead nodes are listed but cover nothing. Live nodes
+    first (``rank``); at most MAX_NODES_SHOWN nodes and MAX_MODELS_SHOWN models, the rest counted."""
+    views = sorted(views, key=rank)
     models: dict[str, dict[str, Any]] = {}
+    alive: dict[str, list[dict[str, Any]]] = {}
+    first: dict[str, tuple[bool, bool, str]] = {}
     for v in views:
         m = models.setdefault(v["model"], {"fingerprint": v["model"], "name": v["model_name"],
                                            "n_layer": min(v["n_layer"], MAX_LAYERS), "nodes": [], "dead": []})
+        first.setdefault(v["model"], rank(v))
         m["nodes"].append(v["node_id"])
-        if not v["alive"]:
+        if v["alive"]:
+            alive.setdefault(v["model"], []).append(v)
+        else:
             m["dead"].append(v["node_id"])
-    for m in models.values():
-        alive = [v for v in views if v["model"] == m["fingerprint"] and v["alive"]]
-        m["coverage"] = coverage(alive, m["n_layer"])
+    shown = sorted(models.values(), key=lambda m: (first[m["fingerprint"]][:2], m["name"]))[:MAX_MODELS_SHOWN]
+    for m in shown:
+        m["node_count"], m["dead_count"] = len(m["nodes"]), len(m["dead"])
+        m["nodes"] = m["nodes"][:MAX_MODEL_ROWS]
+        rows = set(m["nodes"])
+        m["dead"] = [nid for nid in m["dead"] if nid in rows]
+        mine = alive.get(m["fingerprint"], [])
+        m["coverage"] = coverage(mine, m["n_layer"])
         m["gaps"] = gaps(m["coverage"])
         m["covered"] = not m["gaps"]
-        m["active_sessions"] = route_sessions(alive, m["n_layer"])
-    return {"models": sorted(models.values(), key=lambda m: m["name"]), "nodes": views}
+        m["active_sessions"] = route_sessions(mine, m["n_layer"])
+    return {"models": sorted(shown, key=lambda m: m["name"]), "nodes": views[:MAX_NODES_SHOWN],
+            "omitted": {"nodes": max(0, len(views) - MAX_NODES_SHOWN),
+                        "models": max(0, len(models) - MAX_MODELS_SHOWN)}}

@@ -26,12 +26,18 @@ LIMITS = ServeLimits(read_timeout=None)
 def check_exposure(config: ApiConfig) -> tuple[str, int]:
     """The listen address; InputError if it is not loopback and no API key guards it, or the key
     would cross the network in plain HTTP (no TLS and no ``--insecure``)."""
-    host, port = split_hostport(config.listen)
-    if config.api_key is None and not is_loopback(host):
-        raise errors.InputError(f"--api {config.listen} is not a loopback address: give --api-key KEY "
-                                "(clients send it as 'Authorization: Bearer KEY')")
+    host, port = check_key(config.listen, config.api_key)
     if config.tls is None:
         check_plain(host, "the API", insecure=config.insecure)
+    return host, port
+
+
+def check_key(listen: str, api_key: str | None) -> tuple[str, int]:
+    """The listen address; InputError if it is not loopback and no API key guards it."""
+    host, port = split_hostport(listen)
+    if api_key is None and not is_loopback(host):
+        raise errors.InputError(f"--api {listen} is not a loopback address: give --api-key KEY "
+                                "(clients send it as 'Authorization: Bearer KEY')")
     return host, port
 
 

@@ -45,6 +45,7 @@ from meshnode.executor.sampler import Chain
 from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import accept, check_open, forward_proof, parse_open
 from meshnode.proto import node_pb2 as pb
+from meshnode.session.admission import Recent
 from meshnode.session.flow import Flow
 from meshnode.session.sampling import SamplingParams
 from meshnode.session.sampling import from_pb as sampling_from_pb
@@ -70,6 +71,13 @@ class HopLimits:
     detach_grace: float = 30.0
     #: seconds an open waits for a slot when all are taken (one may be freeing: its peer just hung up)
     admission_wait: float = 1.0
+    #: sessions one initiator may open per minute, after a burst of ``opens_burst`` (session/admission.py)
+    opens_per_minute: float = 600.0
+    opens_burst: float = 60.0
+    #: detached sessions kept at once (0: as many as session slots); beyond, the oldest is freed
+    max_detached: int = 0
+    #: times a stream may send a step or a grant beyond its credits (refused each time) before it is cut
+    max_overruns: int = 8
 
 
 def negotiate(a: pb.FlowLimits, b: pb.FlowLimits) -> pb.FlowLimits:
@@ -98,6 +106,8 @@ UINT64 = 2**64 - 1
 RELEASE_TIMEOUT = 2.0
 #: the longest deadline a Generate may give each of its steps
 MAX_STEP_TIMEOUT_NS = 3600 * 10**9
+#: work ids a session remembers as cancelled
+MAX_CANCELLED_WORK = 256
 
 
 @dataclass
@@ -117,7 +127,8 @@ class HopSession:
     downstream: FrameStream | None = None
     last_step_id: int = 0
     last_result: pb.StepResult | None = None
-    cancelled_work: set[str] = field(default_factory=set)
+    #: work ids cancelled in this session (the last MAX_CANCELLED_WORK: a stranger's flood is bounded)
+    cancelled_work: Recent = field(default_factory=lambda: Recent(MAX_CANCELLED_WORK))
     route_open: pb.RouteOpen = field(default_factory=pb.RouteOpen)
     #: a release or whole-session cancel went downstream (the hops after this one end it too)
     downstream_told: bool = False
@@ -131,6 +142,10 @@ class HopSession:
     detached_at: float = 0.0
     #: tail: llama.cpp's sampler chain of this session (penalty window + seeded RNG)
     chain: Chain | None = None
+    #: the node's say on a verified open before it takes a slot (opens per initiator: session/admission.py)
+    admit: Callable[[pb.RouteOpen], None] | None = None
+    #: the task serving this session's stream (a resume that supersedes it cancels it)
+    task: asyncio.Task[object] | None = None
 
     # -- open -----------------------------------------------------------------
 
@@ -166,6 +181,8 @@ class HopSession:
                                      seen_nonces=self.nonces)
         if o.downstream and o.downstream[0].node_id != self.route_open.next_node_id:
             raise errors.OpenMismatchError("the next hop is not the one the signed open names")
+        if self.admit is not None:
+            self.admit(self.route_open)
         own = pb.FlowLimits(
             max_chunk_bytes=self.limits.max_chunk_bytes,
             max_prefill_chunk_tokens=min(self.limits.max_prefill_chunk_tokens, cap.numerics.n_batch),
@@ -370,7 +387,8 @@ class HopSession:
         bundle = encode_bundle(residual, dtype=self.open_msg.wire_dtype or pb.DTYPE_F32, pos_start=n_past,
                                max_chunk_bytes=self.negotiated.max_chunk_bytes)
         fwd = pb.Step(step_id=s.step_id, work_id=s.work_id, cache=s.cache, activation=bundle,
-                      sample=s.sample and not s.replay, deadline_unix_nanos=s.deadline_unix_nanos, replay=s.replay,
+                      sample=s.sample and not s.replay, deadline_unix_nanos=codec.sooner(s.deadline_unix_nanos),
+                      replay=s.replay,
                       replay_hops=max(s.replay_hops - 1, 0))
         down = self.downstream
         reply = await down.send(pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd))

@@ -167,7 +167,10 @@ class RouteSession:
         return await self._read()
 
     async def _read(self) -> pb.SessionReply:
-        reply = await self._stream.read(self.cfg.step_timeout)
+        # the hops give up on a silent hop at the step's deadline, each sooner than the one before it
+        # (codec.sooner): their error, naming the silent hop, must arrive before this read gives up
+        # and blames the head
+        reply = await self._stream.read(self.cfg.step_timeout * 1.25 + 0.5)
         if reply.HasField("error"):
             raise codec.error_from_pb(reply.error)
         return reply

@@ -33,6 +33,9 @@ from meshnode.identity.routeauth import check_control, parse_open
 from meshnode.metrics import NodeMetrics
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.ratelimit import RateTable
+from meshnode.session import admission
+from meshnode.session.admission import Recent
 from meshnode.session.flow import Flow
 from meshnode.session.hop import HopLimits, HopSession
 from meshnode.wire import codec
@@ -140,6 +143,8 @@ class _Writer:
 
 #: seconds between looks for a freed slot while an open waits for one
 ADMISSION_POLL = 0.02
+#: session ids a node remembers as cancelled before their open (anyone may send such a cancel)
+MAX_EARLY_CANCELS = 4096
 
 
 async def _read(context: Any) -> Any:
@@ -162,8 +167,11 @@ class _Control:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     #: work id of the running Generate (an in-band cancel of it stops it)
     work_id: str | None = None
-    #: frames in order, for the executing side (None: the stream is over)
-    queue: asyncio.Queue[pb.SessionFrame | errors.WireError | None] = field(default_factory=asyncio.Queue)
+    #: frames in order, for the executing side (an error: answered, and the session is over; None: the
+    #: stream is over)
+    queue: asyncio.Queue[pb.SessionFrame | errors.MeshnodeError | None] = field(default_factory=asyncio.Queue)
+    #: steps and grants refused for going beyond the credits (session/admission.py ``overrun``)
+    overruns: int = 0
     #: a step's reply, once the next hop answered, was a terminal error: the session is over
     over: bool = False
 
@@ -187,11 +195,13 @@ class NodeServicer(pb_grpc.NodeServicer):
         self.sessions: dict[str, HopSession] = {}
         #: sessions whose stream broke without a release: KV kept for a resume (failover)
         self.detached: dict[str, HopSession] = {}
-        #: ids cancelled before (or without) their open
-        self.cancelled: set[str] = set()
+        #: ids cancelled before (or without) their open (the last MAX_EARLY_CANCELS)
+        self.cancelled = Recent(MAX_EARLY_CANCELS)
         #: for those: who cancelled (an open by anyone else is not refused by it)
         self.early_cancellers: dict[str, str] = {}
         self.serving = True
+        #: opens per initiator (session/admission.py ``open_rate``)
+        self.opens = RateTable(limits.opens_per_minute / 60.0, limits.opens_burst)
 
     # -- unary --------------------------------------------------------------------
 
@@ -245,6 +255,8 @@ class NodeServicer(pb_grpc.NodeServicer):
                                 f"OPEN_UNAUTHENTICATED: only the initiator of session {sid} may {action} it")
         if s is None and action == "cancel":
             self.early_cancellers.setdefault(sid, signer)
+            while len(self.early_cancellers) > MAX_EARLY_CANCELS:
+                del self.early_cancellers[next(iter(self.early_cancellers))]
 
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
         await self._authorize(context, request.auth, request.route_session_id, "release", "")
@@ -277,10 +289,17 @@ class NodeServicer(pb_grpc.NodeServicer):
     async def sweep(self, now: float | None = None) -> int:
         """Free detached sessions older than the grace period; returns how many."""
         now = time.monotonic() if now is None else now
-        old = [sid for sid, d in self.detached.items() if now - d.detached_at >= self.limits.detach_grace]
+        old = admission.expired(self._detached_at(), now, self.limits.detach_grace)
         for sid in old:
             await self.detached.pop(sid).close()
         return len(old)
+
+    def _detached_at(self) -> dict[str, float]:
+        return {sid: d.detached_at for sid, d in self.detached.items()}
+
+    def _admit(self, ro: pb.RouteOpen) -> None:
+        """A verified open, before it takes a slot: within its initiator's opens a minute?"""
+        admission.open_rate(self.opens, ro.initiator_node_id, time.monotonic(), self.limits.opens_per_minute)
 
     async def drop_detached(self) -> None:
         """Free every detached session (the node is draining)."""
@@ -288,15 +307,30 @@ class NodeServicer(pb_grpc.NodeServicer):
             _, d = self.detached.popitem()
             await d.close()
 
-    async def _claim(self, sid: str) -> HopSession | None:
-        """For a resume: the detached session ``sid``, once its old stream has ended (bounded wait)."""
+    async def _claim(self, sid: str, frame: pb.SessionFrame) -> HopSession | None:
+        """For a resume: the detached session ``sid``, once its old stream has ended (bounded wait).
+
+        A stream whose upstream vanished without a word (a partition) never ends by itself: if the
+        resume is signed by the session's own initiator under a later epoch (it has moved on), the
+        old stream is ended here and its session taken over (``admission.supersedes``)."""
         old = self.sessions.get(sid)
         if old is not None:
             # the initiator tore the old route down; this hop may not have noticed yet
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(old.ended.wait(), self.limits.step_timeout / 10)
             if self.sessions.get(sid) is old:
-                raise errors.SessionError(f"session {sid} is still live on this hop")
+                ro = parse_open(frame.open.signed_open)  # its signature checked: OpenForgedError if not
+                task = old.task
+                if not admission.supersedes(old.route_open.initiator_node_id, old.epoch, ro.initiator_node_id,
+                                            frame.route_epoch) or task is None:
+                    raise errors.SessionError(f"session {sid} is still live on this hop")
+                log.info("session %s: a resume under epoch %d supersedes its stream at epoch %d (its upstream "
+                         "went silent)", sid, frame.route_epoch, old.epoch)
+                task.cancel()  # the handler's clean-up detaches the session (shielded)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(old.ended.wait(), self.limits.step_timeout / 10)
+                if self.sessions.get(sid) is old:
+                    raise errors.SessionError(f"session {sid} is still live on this hop")
         return self.detached.pop(sid, None)
 
     async def _make_room(self) -> None:
@@ -307,8 +341,8 @@ class NodeServicer(pb_grpc.NodeServicer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.limits.admission_wait
         while self.executor.free_slots == 0:
-            if self.detached:
-                sid = min(self.detached, key=lambda k: self.detached[k].detached_at)
+            sid = admission.room(self._detached_at())
+            if sid is not None:
                 await self.detached.pop(sid).close()
             elif loop.time() >= deadline:
                 return
@@ -323,10 +357,13 @@ class NodeServicer(pb_grpc.NodeServicer):
             # listed as detached before anything is awaited: a Release or resume arriving meanwhile
             # must find it (else it would sit out the whole grace period, found by neither)
             session.detached_at = time.monotonic()
-            stale = self.detached.pop(session.session_id, None)
+            stale = [self.detached.pop(session.session_id, None)]
+            bound = self.limits.max_detached or self.executor.config.max_sessions
+            stale += [self.detached.pop(sid) for sid in admission.over_detached(self._detached_at(), bound)]
             self.detached[session.session_id] = session
-            if stale is not None:
-                await stale.close()
+            for old in stale:
+                if old is not None:
+                    await old.close()
             await session.detach()
         else:  # a broken stream on a draining node: the hops after it may still serve a resume
             await session.close(end_downstream=not session.detachable)
@@ -341,7 +378,8 @@ class NodeServicer(pb_grpc.NodeServicer):
         refused on arrival, not queued) and lets cancel, release and credit
         grants act while a step or a Generate is running.
         """
-        session = HopSession(self.executor, self.capability, self.limits, self.endpoint, self.ident, self.nonces)
+        session = HopSession(self.executor, self.capability, self.limits, self.endpoint, self.ident, self.nonces,
+                             admit=self._admit, task=asyncio.current_task())
         writer = _Writer(context, self.metrics)
         reader: asyncio.Task[None] | None = None
         try:
@@ -357,7 +395,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             ctl = _Control(Flow(session.negotiated.credits))
             reader = asyncio.ensure_future(self._read_ahead(context, session, ctl.queue, writer, ctl))
             while (frame := await ctl.queue.get()) is not None and not ctl.over:
-                if isinstance(frame, errors.WireError):  # answered in order, and the session is over
+                if isinstance(frame, errors.MeshnodeError):  # answered in order, and the session is over
                     session.detachable = False
                     await writer.error(session, frame, terminal=True)
                     return
@@ -374,7 +412,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             await asyncio.shield(self._end(session))
 
     async def _read_ahead(self, context: Any, session: HopSession,
-                          queue: asyncio.Queue[pb.SessionFrame | errors.WireError | None],
+                          queue: asyncio.Queue[pb.SessionFrame | errors.MeshnodeError | None],
                           writer: _Writer, ctl: _Control) -> None:
         """Read frames as they come: credits and refusals act at once, the rest is queued in order.
 
@@ -411,6 +449,13 @@ class NodeServicer(pb_grpc.NodeServicer):
                     if kind == "cancel" and frame.cancel.work_id:
                         session.cancelled_work.add(frame.cancel.work_id)
                 except errors.MeshnodeError as e:
+                    if isinstance(e, errors.FlowControlError):
+                        ctl.overruns += 1
+                        if admission.overrun(ctl.overruns, self.limits.max_overruns):  # cut: the peer ignores credits
+                            ctl.stop.set()
+                            queue.put_nowait(errors.FlowControlError(
+                                f"{ctl.overruns} frames beyond the negotiated credits: the stream is cut"))
+                            return
                     await writer.write(pb.SessionReply(route_session_id=session.session_id, error=codec.error_to_pb(
                         e, hop=self.endpoint, step_id=frame.step.step_id if kind == "step" else 0, terminal=False)))
                     continue
@@ -515,7 +560,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                     raise errors.CancelledError(f"session {sid} was cancelled before it opened")
                 self.cancelled.discard(sid)  # someone else's cancel: void for this session
                 self.early_cancellers.pop(sid, None)
-            prior = await self._claim(sid) if frame.open.resume else None
+            prior = await self._claim(sid, frame) if frame.open.resume else None
             if sid in self.sessions:
                 raise errors.SessionError(f"session {sid} is already open on this hop")
             if prior is None:
