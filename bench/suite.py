@@ -18,6 +18,8 @@ Sections (``--only`` picks some), each printing both sides' figures, thread coun
 * **link** -- nodes on hosts of their own (network namespaces, bench/link_bench.py): link bytes per
   decoded token and decode tok/s with the tail's link free and limited by ``tc tbf``, f32 and f16 on
   the wire, beside what a serial model of compute plus bytes predicts. Needs root.
+* **tracker** -- a real tracker's lookup and status latency and RSS, empty and holding its
+  ``--max-entries`` of fresh keys (bench/tracker_bench.py). No target: the figures are reported.
 * **memory** -- ``bench.memory_bench`` on the synthetic 1.3 GB model: half-range nodes <= 0.60 x the
   whole process's peak RSS, third-range nodes <= 0.45 x.
 
@@ -38,7 +40,7 @@ from typing import Any
 
 from bench import paths
 
-SECTIONS = ("one-machine", "pinned", "batched", "tls", "link", "memory")
+SECTIONS = ("one-machine", "pinned", "batched", "tls", "link", "tracker", "memory")
 #: copies of route_bench's paragraph in the prefill prompt: 2,055 tokens, just over 2,048
 PREFILL_REPEAT = 26
 
@@ -256,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "memory":
             out[name] = memory(rep)
         else:
-            from bench import link_bench
+            from bench import link_bench, tracker_bench
 
             out[name] = {"one-machine": one_machine, "pinned": pinned, "batched": batched,
-                         "tls": tls, "link": link_bench.run}[name](model, ns.runs, rep)
+                         "tls": tls, "link": link_bench.run, "tracker": tracker_bench.run}[name](model, ns.runs, rep)
     rep.print()
     print("load averages at each section's end: "
           + "; ".join(f"{k} {v.get('load', '?') if isinstance(v, dict) else '?'}" for k, v in out.items())

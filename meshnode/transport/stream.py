@@ -29,6 +29,9 @@ from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
 from meshnode.transport.client import open_channel, translate
 
+#: seconds a hang-up waits for its half-close to be sent
+CLOSE_TIMEOUT = 1.0
+
 
 class FrameStream:
     """``node_id``: the node the caller means to reach (the channel is pinned to it: transport/security.py);
@@ -132,8 +135,10 @@ class FrameStream:
     async def close(self) -> None:
         """Hang up: half-close, cancel the call, fail every reply still owed."""
         if self._call is not None:
-            with contextlib.suppress(Exception):  # the call may be over already: closing is best effort
-                await self._call.done_writing()
+            # the call may be over already, or its peer silent with the send window full (a partition):
+            # closing is best effort, and bounded
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._call.done_writing(), CLOSE_TIMEOUT)
             self._call.cancel()
         if self._reader is not None:
             self._reader.cancel()
