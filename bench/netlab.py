@@ -88,9 +88,15 @@ class Lab:
         """Take a host's link down (a partition: its packets go nowhere, nobody is told) or up again."""
         ip("-n", self.switch, "link", "set", self.hosts[name].port, "up" if up else "down")
 
-    def shape(self, name: str, mbit: float, latency_ms: float = 50.0) -> None:
-        """A ``tbf`` rate limit on a host's link, both ways (its eth0 out, its switch port out)."""
+    def shape(self, name: str, mbit: float) -> None:
+        """A ``tbf`` rate limit on a host's link, both ways (its eth0 out, its switch port out).
+
+        A token bucket, as a shaper at a provider's edge: after an idle spell, a message that fits its
+        bucket (``burst``: one MTU here, the least it takes) goes out at once; beyond, bytes go at the rate.
+        (This kernel has no ``netem``, which would serialize every byte.) Its queue holds 8 packets' worth of
+        time at the rate: a slow link with a buffer, not one that drops the second packet of a residual."""
         burst = max(1600, int(mbit * 1e6 / 8 / 250))  # >= one MTU; the kernel wants rate/HZ at least
+        latency_ms = max(50.0, 8 * 1600 / (mbit * 1e6 / 8) * 1e3)
         for ns, dev in ((self.hosts[name].ns, "eth0"), (self.switch, self.hosts[name].port)):
             tc("-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
                "burst", str(burst), "latency", f"{latency_ms}ms")
