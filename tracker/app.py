@@ -63,10 +63,11 @@ class Tracker:
                 return resp
             return self.register(await read_body(req, MAX_REGISTER_BODY), source)
         if route == ("GET", "/api/status"):
-            return json_response(views.status(self._views()))
+            return json_response(views.status(views.current(self.registry, time.time(), full=views.MAX_NODES_SHOWN)))
         if route == ("GET", "/api/lookup"):
             query = req.query_params.get("model", "")
-            return json_response(views.lookup(views.current(self.registry, time.time(), query), query))
+            found = views.current(self.registry, time.time(), query, full=views.MAX_LOOKUP)
+            return json_response(views.lookup(found, query))
         if route == ("GET", "/"):
             return HTMLResponse(PAGE, headers=NO_STORE)
         if route == ("GET", "/healthz"):
@@ -93,6 +94,3 @@ class Tracker:
             self.registry.remove(slot.evict)
         self.registry.register(env, ad, now, source)
         return json_response({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})
-
-    def _views(self) -> list[dict[str, object]]:
-        return views.current(self.registry, time.time())  # judged with the prober's findings

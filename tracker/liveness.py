@@ -131,6 +131,15 @@ def judge(state: ProbeState | None, last_seen: float, now: float, ttl: float,
     return Verdict(True, f"answered a probe {max(0.0, now - state.last_ok):.1f} s ago", "probe")
 
 
+def alive(state: ProbeState | None, last_seen: float, now: float, ttl: float, fail_limit: int = FAIL_LIMIT) -> bool:
+    """``judge(...).alive`` without the reason (a lookup ranks thousands of entries and shows a few)."""
+    if now - last_seen > ttl:
+        return False
+    if state is None or state.last_ok is None:
+        return True
+    return not (state.failures >= fail_limit and state.last_failed is not None and last_seen <= state.last_failed)
+
+
 def _probes(n: int) -> str:
     return "1 probe" if n == 1 else f"{n} probes"
 

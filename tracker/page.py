@@ -88,7 +88,7 @@ function model(m) {
     rows += "</tr>";
   }
   rows += "<tr><th class='node'>live replicas</th>";
-  m.coverage.forEach(layer => { rows += "<td class='" + (layer.length ? "" : "gap") + "'>" + layer.length + "</td>"; });
+  m.replicas.forEach(n => { rows += "<td class='" + (n ? "" : "gap") + "'>" + n + "</td>"; });
   rows += "</tr>";
   const state = m.covered ? "<span class='ok' data-k='coverage'>fully covered</span>" :
     "<span class='bad' data-k='coverage'>not covered</span>: " +

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,9 @@ class Entry:
     #: the address it registered from (bounds per source: tracker/limits.py)
     source: str = ""
 
+    #: the first endpoint it advertises (the one probed)
+    endpoint: str | None = None
+
 
 @dataclass
 class _Index:
@@ -61,11 +65,15 @@ class _Index:
 
     entries: dict[str, Entry] = field(default_factory=dict)
     per_source: dict[str, int] = field(default_factory=dict)
+    #: (model fingerprint, name, file) as claimed -> the node ids claiming it (a lookup matches its query once
+    #: per distinct claim, not per node)
+    by_model: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)
 
     def put(self, e: Entry) -> None:
         self.drop(e.node_id)
         self.entries[e.node_id] = e
         self.per_source[e.source] = self.per_source.get(e.source, 0) + 1
+        self.by_model.setdefault(_claim(e), set()).add(e.node_id)
 
     def drop(self, node_id: str) -> None:
         old = self.entries.pop(node_id, None)
@@ -75,6 +83,21 @@ class _Index:
                 self.per_source[old.source] = left
             else:
                 del self.per_source[old.source]
+            model = _claim(old)
+            ids = self.by_model[model]
+            ids.discard(node_id)
+            if not ids:
+                del self.by_model[model]
+
+
+def _first_endpoint(ad: pb.Advertisement) -> str | None:
+    eps = ad.capability.endpoints
+    return eps[0] if eps else None
+
+
+def _claim(e: Entry) -> tuple[str, str, str]:
+    cap = e.advert.capability
+    return cap.model_fingerprint, cap.model_name, cap.model_file
 
 
 class Registry:
@@ -99,7 +122,8 @@ class Registry:
         for nid, blob, last, first, source in self.db.execute(
                 "SELECT node_id, envelope, last_seen, first_seen, source FROM nodes"):
             env = pb.SignedEnvelope.FromString(blob)
-            self._index.put(Entry(nid, env, pb.Advertisement.FromString(env.payload), last, first, source))
+            ad = pb.Advertisement.FromString(env.payload)
+            self._index.put(Entry(nid, env, ad, last, first, source, _first_endpoint(ad)))
         self._swept = 0.0
 
     def close(self) -> None:
@@ -148,7 +172,7 @@ class Registry:
                 "last_seen = excluded.last_seen, source = excluded.source",
                 (nid, env.SerializeToString(), ad.seq, now, first, source),
             )
-        self._index.put(Entry(nid, env, ad, now, first, source))
+        self._index.put(Entry(nid, env, ad, now, first, source, _first_endpoint(ad)))
 
     def _expire(self, now: float) -> None:
         gone = [nid for nid, e in self._index.entries.items() if e.last_seen < now - self.ttl]
@@ -163,7 +187,13 @@ class Registry:
                 self.db.execute("DELETE FROM seqs WHERE at < ?", (now - SEQ_MEMORY,))
             self.probes.keep(self._index.entries)
 
-    def live(self, now: float) -> list[Entry]:
-        """The entries heard from within the TTL, by node id."""
+    def live(self, now: float, models: Callable[[Entry], bool] | None = None) -> list[Entry]:
+        """The entries heard from within the TTL, by node id; with ``models``, only those of the models it
+        accepts (asked once per model, with one of its entries)."""
         self._expire(now)
-        return [self._index.entries[k] for k in sorted(self._index.entries)]
+        idx = self._index
+        if models is None:
+            ids: Iterable[str] = idx.entries
+        else:
+            ids = [nid for group in idx.by_model.values() if models(idx.entries[next(iter(group))]) for nid in group]
+        return [idx.entries[k] for k in sorted(ids)]

@@ -7,7 +7,7 @@ from typing import Any
 
 from meshnode.routing.assign import coverage as layer_coverage
 from meshnode.routing.assign import model_matches
-from tracker.liveness import FAIL_LIMIT, ProbeState, freshest, judge
+from tracker.liveness import FAIL_LIMIT, ProbeState, alive, freshest, judge
 from tracker.registry import Entry, Registry
 
 #: layers a model is shown with at most: n_layer is the node's claim, and the coverage map is a list per layer
@@ -83,18 +83,37 @@ def probe_view(s: ProbeState | None, now: float) -> dict[str, Any] | None:
             "rtt_ms": round(s.rtt * 1e3, 2), "ok_total": s.ok_total, "failed_total": s.failed_total}
 
 
-def current(registry: Registry, now: float, query: str | None = None) -> list[dict[str, Any]]:
+def slim_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
+              fail_limit: int = FAIL_LIMIT) -> dict[str, Any]:
+    """What ``status``, ``lookup`` and ``rank`` read of a node, cheaply: the part of ``node_view`` a node
+    left out of an answer still counts with (its range in the coverage, its sessions, its rank)."""
+    cap = e.advert.capability
+    reached = probe is not None and probe.last_ok is not None
+    return {"node_id": e.node_id, "model": cap.model_fingerprint, "model_name": cap.model_name,
+            "model_file": cap.model_file, "n_layer": cap.n_layer, "range": [cap.range.start, cap.range.end],
+            "alive": alive(probe, e.last_seen, now, ttl, fail_limit),
+            "live_sessions": freshest(e.advert.health, e.last_seen, probe).health.live_sessions,
+            "probe": {"last_ok_seconds_ago": 0.0} if reached else None}
+
+
+def current(registry: Registry, now: float, query: str | None = None, full: int | None = None) -> list[dict[str, Any]]:
     """The view of every registered node (of the model ``query`` names, if given), judged with what the
-    probes found."""
-    out = []
-    for e in registry.live(now):
+    probes found. ``full``: only the first ``full`` by ``rank`` get the whole ``node_view``, the rest a
+    ``slim_view`` (an answer shows a bounded number of nodes: the rest need not be rendered)."""
+    def of_query(e: Entry) -> bool:
         cap = e.advert.capability
-        if query is not None and not model_matches(cap.model_fingerprint, cap.model_name, query, cap.model_file):
-            continue
-        endpoint = e.advert.capability.endpoints[0] if e.advert.capability.endpoints else None
-        out.append(node_view(e, now, registry.ttl, registry.probes.get(e.node_id, endpoint),
-                             registry.probes.fail_limit))
-    return out
+        return query is not None and model_matches(cap.model_fingerprint, cap.model_name, query, cap.model_file)
+
+    ttl, limit = registry.ttl, registry.probes.fail_limit
+    judged = []
+    for e in registry.live(now, None if query is None else of_query):
+        probe = registry.probes.get(e.node_id, e.endpoint)
+        # rank's key, without building a view: live first, reached by a probe first, then by id
+        key = (not alive(probe, e.last_seen, now, ttl, limit), probe is None or probe.last_ok is None, e.node_id)
+        judged.append((key, e, probe))
+    judged.sort(key=lambda j: j[0])
+    return [node_view(e, now, ttl, probe, limit) if full is None or i < full else slim_view(e, now, ttl, probe, limit)
+            for i, (_, e, probe) in enumerate(judged)]
 
 
 def mean_batch(steps: int, batches: int) -> float:
@@ -173,8 +192,10 @@ def status(views: list[dict[str, Any]]) -> dict[str, Any]:
         rows = set(m["nodes"])
         m["dead"] = [nid for nid in m["dead"] if nid in rows]
         mine = alive.get(m["fingerprint"], [])
-        m["coverage"] = coverage(mine, m["n_layer"])
-        m["gaps"] = gaps(m["coverage"])
+        cov = coverage(mine, m["n_layer"])
+        m["replicas"] = [len(layer) for layer in cov]  # live nodes serving each layer
+        m["coverage"] = [layer[:MAX_MODEL_ROWS] for layer in cov]  # which ones (the first of them)
+        m["gaps"] = gaps(cov)
         m["covered"] = not m["gaps"]
         m["active_sessions"] = route_sessions(mine, m["n_layer"])
     return {"models": sorted(shown, key=lambda m: m["name"]), "nodes": views[:MAX_NODES_SHOWN],
