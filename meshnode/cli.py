@@ -132,7 +132,7 @@ def _node_settings(ns: argparse.Namespace) -> argparse.Namespace:
 
     file = config.load(Path(ns.config)) if ns.config else {}
     flags = {k: getattr(ns, k, None) for k in config.KEYS}
-    for key in ("auto", "insecure"):  # a store_true flag not given must not override the file
+    for key in ("auto", "insecure", "api_tls"):  # a store_true flag not given must not override the file
         if flags.get(key) is False:
             flags[key] = None
     merged = config.resolve(flags, file)
@@ -178,12 +178,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
                      metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure,
-                     limits=_hop_limits(ns))
+                     limits=_hop_limits(ns), api_tls=bool(ns.api_tls))
     _configure_security(ns)
     if cfg.api:
-        from meshnode.api.run import check_exposure
 
-        check_exposure(api_config(cfg.api, cfg.api_key, insecure=cfg.insecure))  # a key (and TLS) off loopback
+        from meshnode.api.run import check_key
+        from meshnode.httptls import check_plain
+
+        host, _ = check_key(cfg.api, cfg.api_key)  # a key off loopback, and HTTPS unless --insecure
+        if not cfg.api_tls:
+            check_plain(host, "the API (--api)", insecure=cfg.insecure,
+                        flags="--api-tls (a self-signed certificate kept in the state dir)")
     if not ns.verbose:
         silence_llama_logs()
 
@@ -540,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--api-key", metavar="KEY",
                        help="with --api: require 'Authorization: Bearer KEY' (needed off loopback; "
                             "or $MESHNODE_API_KEY)")
+        p.add_argument("--api-tls", action="store_true",
+                       help="with --api: serve it over HTTPS with a self-signed certificate kept in the state dir "
+                            "(api-tls.crt; its sha256 is logged and in node.json's api entry)")
         p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
         p.add_argument("--max-opens-per-minute", type=float, metavar="N",
                        help="sessions one initiator may open here per minute, after a burst of 60 (default 600)")

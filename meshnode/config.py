@@ -16,6 +16,7 @@
     metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
     api = "127.0.0.1:8080"      # an OpenAI-compatible API over the mesh (default: off)
     api_key = "..."             # Bearer key the API requires (needed when api is not on loopback)
+    api_tls = true              # the API over HTTPS, self-signed, kept in the state dir (needed off loopback)
     max_opens_per_minute = 600  # sessions one initiator may open per minute (after a burst of 60)
     max_detached = 4            # broken sessions kept for a resume at once (default: max_sessions)
 
@@ -51,6 +52,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "api": (str, None),
     "api_key": (str, None),
     "insecure": (bool, False),
+    "api_tls": (bool, False),
     "max_opens_per_minute": (float, None),
     "max_detached": (int, 0),
 }

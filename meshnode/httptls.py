@@ -122,12 +122,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_plain(listen_host: str, what: str, *, insecure: bool) -> None:
-    """Plain HTTP off loopback needs ``--insecure``; InputError otherwise, saying what to give."""
+def check_plain(listen_host: str, what: str, *, insecure: bool,
+                flags: str = "--tls (a self-signed certificate, pinned by its printed fingerprint), "
+                             "--tls-cert FILE --tls-key FILE") -> None:
+    """Plain HTTP off loopback needs ``--insecure``; InputError otherwise, saying what to give (``flags``)."""
     if not insecure and not is_loopback(listen_host):
         raise errors.InputError(
-            f"{what} on {listen_host} (not loopback) would be plain HTTP: give --tls (a self-signed certificate, "
-            "pinned by its printed fingerprint), --tls-cert FILE --tls-key FILE, or --insecure on a closed network")
+            f"{what} on {listen_host} (not loopback) would be plain HTTP: give {flags}, or --insecure on a closed "
+            "network")
 
 
 # -- the flags, shared by the tracker and the API --------------------------------------------------------

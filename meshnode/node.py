@@ -71,6 +71,8 @@ class NodeConfig:
     api: str | None = None
     #: the Bearer key the API requires (None: none; required off loopback)
     api_key: str | None = None
+    #: serve the API over HTTPS with a self-signed certificate kept in the state dir (api-tls.crt/.key)
+    api_tls: bool = False
     #: plaintext streams, no TLS (``--insecure``: a closed lab network only)
     insecure: bool = False
 
@@ -227,7 +229,7 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)
             await _announce(nursery, config, ident, servicer, aio, addr)
-            api_url = await _serve_api(nursery, config, aio, addr) if config.api else None
+            api_url = await _serve_api(nursery, config, aio, addr, runtime.dir) if config.api else None
             runtime.write(node_id=ident.node_id, listen=config.listen, endpoint=addr,
                           layers=f"{artifact.start}:{artifact.end}", tracker=config.tracker,
                           mdns=config.mdns_interface, metrics=metrics_url, api=api_url, insecure=config.insecure)
@@ -247,16 +249,23 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
         executor.close()
 
 
-async def _serve_api(nursery: trio.Nursery, config: NodeConfig, aio: AioThread, addr: str) -> str:
+async def _serve_api(nursery: trio.Nursery, config: NodeConfig, aio: AioThread, addr: str, sdir: Path) -> str:
     """The API over the mesh this node sees: itself, its tracker, its mDNS; its sessions on ``aio``."""
     from meshnode.api import ApiConfig, MeshSource, run_api
+    from meshnode.httptls import self_signed
 
     assert config.api is not None
+    host, _ = split_hostport(config.api)
+    tls = None
+    if config.api_tls:  # made once, kept beside the node's key (its sha256 is what clients pin)
+        names = [host] if host not in ("0.0.0.0", "::", "") else []
+        tls = await trio.to_thread.run_sync(self_signed, sdir, "api-tls", names)
     source = MeshSource(peers=(addr,), tracker=config.tracker, mdns=config.mdns_interface)
-    api = ApiConfig(listen=config.api, api_key=config.api_key, insecure=config.insecure)
+    api = ApiConfig(listen=config.api, api_key=config.api_key, insecure=config.insecure, tls=tls)
     bound = await nursery.start(functools.partial(run_api, api, source, aio=aio))
-    log.info("API on http://%s/v1", bound)
-    return f"http://{bound}/v1"
+    url = f"{'https' if tls else 'http'}://{bound}/v1"
+    log.info("API on %s%s", url, f" (certificate sha256={tls.fingerprint})" if tls else "")
+    return url
 
 
 async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdentity, servicer: NodeServicer,

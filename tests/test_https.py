@@ -138,3 +138,25 @@ def test_the_api_over_https_with_the_official_client(route2, tmp_path):
         if proc.stdout is not None:
             proc.stdout.close()
         state.cleanup()
+
+
+def test_a_nodes_own_api_over_https(node_factory, tmp_path):
+    node = node_factory("0:30", extra=("--api", "127.0.0.1:0", "--api-tls"))
+    assert node.state_dir is not None
+    info = json.loads((node.state_dir / "node.json").read_text())
+    base = info["api"]
+    assert base.startswith("https://127.0.0.1:")
+    cert = node.state_dir / "api-tls.crt"
+    assert (node.state_dir / "api-tls.key").stat().st_mode & 0o777 == 0o600
+    ctx = ssl.create_default_context(cafile=str(cert))  # it names 127.0.0.1 itself
+    with httpx.Client(verify=ctx) as http, openai.OpenAI(base_url=base, api_key="unused", http_client=http,
+                                                          max_retries=0, timeout=120) as client:
+        out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0)
+    direct = cli("generate", "--peer", node.endpoint, "--prompt", PROMPT, "--max-tokens", "4", "--json")
+    assert direct.returncode == 0, direct.stderr
+    assert out.choices[0].text == json.loads(direct.stdout)["text"]
+    # off loopback: HTTPS (or --insecure) and a key, or the node does not start
+    bad = cli("serve", "--layers", "0:30", "--api", "0.0.0.0:0", "--api-key", "k", "--state-dir", str(tmp_path),
+              timeout=120)
+    assert bad.returncode == 2
+    assert "--api-tls" in bad.stderr
