@@ -20,7 +20,6 @@ import argparse
 import datetime
 import hashlib
 import ipaddress
-import os
 import ssl
 import urllib.parse
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from meshnode import errors
+from meshnode import atomicfile, errors
 
 
 @dataclass(frozen=True)
@@ -87,15 +86,8 @@ def self_signed(directory: Path, stem: str, names: list[str]) -> TLSFiles:
         return files
     key, cert = make_self_signed(names)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for path, data, mode in ((files.key, key, 0o600), (files.cert, cert, 0o644)):
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+    atomicfile.write(files.key, key, 0o600)
+    atomicfile.write(files.cert, cert, 0o644)
     return files
 
 

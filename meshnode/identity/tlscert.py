@@ -17,7 +17,6 @@ identity, so a restarted node presents the same certificate.
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 
 from cryptography import x509
@@ -25,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from meshnode import errors
+from meshnode import atomicfile, errors
 from meshnode.identity.keys import PUBLIC_KEY_BYTES, NodeIdentity, node_id_of, verify_signature
 
 #: the extension's OID (a UUID arc, 2.25: nobody else's number)
@@ -116,13 +115,6 @@ def load_or_create(state_dir: Path, ident: NodeIdentity) -> tuple[bytes, bytes]:
             return key_pem, cert_pem
     key_pem, cert_pem = make(ident)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for path, data, mode in ((kpath, key_pem, 0o600), (cpath, cert_pem, 0o644)):
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+    atomicfile.write(kpath, key_pem, 0o600)
+    atomicfile.write(cpath, cert_pem, 0o644)
     return key_pem, cert_pem
