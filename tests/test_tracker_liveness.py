@@ -25,6 +25,7 @@ from tracker.liveness import (
     ProbeBook,
     ProbeState,
     Target,
+    alive,
     freshest,
     judge,
     pick,
@@ -68,6 +69,8 @@ def test_the_verdict_for_every_combination(ever_ok, failures, heartbeat_after, e
     else:
         dead, by = False, "probe"
     assert (v.alive, v.by) == (not dead, by)
+    # the reason-less twin a lookup ranks thousands of entries with follows the same rules
+    assert alive(_state(ever_ok, failures, last_failed), last_seen, now, TTL, limit) is (not dead)
     assert v.reason
 
 

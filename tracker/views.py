@@ -108,8 +108,9 @@ def current(registry: Registry, now: float, query: str | None = None, full: int 
     judged = []
     for e in registry.live(now, None if query is None else of_query):
         probe = registry.probes.get(e.node_id, e.endpoint)
-        # rank's key, without building a view: live first, reached by a probe first, then by id
-        key = (not alive(probe, e.last_seen, now, ttl, limit), probe is None or probe.last_ok is None, e.node_id)
+        # rank's key, without building a view
+        key = rank_key(alive(probe, e.last_seen, now, ttl, limit), probe is not None and probe.last_ok is not None,
+                       e.node_id)
         judged.append((key, e, probe))
     judged.sort(key=lambda j: j[0])
     return [node_view(e, now, ttl, probe, limit) if full is None or i < full else slim_view(e, now, ttl, probe, limit)
@@ -125,12 +126,16 @@ def matches(view: dict[str, Any], query: str) -> bool:
     return model_matches(str(view["model"]), str(view["model_name"]), query, str(view.get("model_file", "")))
 
 
-def rank(v: dict[str, Any]) -> tuple[bool, bool, str]:
+def rank_key(live: bool, reached: bool, node_id: str) -> tuple[bool, bool, str]:
     """Live nodes first, those the tracker's probes reached before those only heard from; then by id. A flood of
     fresh keys registers nodes nobody can reach: they are listed after every node that answers."""
+    return (not live, not reached, node_id)
+
+
+def rank(v: dict[str, Any]) -> tuple[bool, bool, str]:
+    """``rank_key`` of a view."""
     probe = v.get("probe")
-    reached = probe is not None and probe["last_ok_seconds_ago"] is not None
-    return (not v["alive"], not reached, v["node_id"])
+    return rank_key(v["alive"], probe is not None and probe["last_ok_seconds_ago"] is not None, v["node_id"])
 
 
 def lookup(views: list[dict[str, Any]], query: str) -> dict[str, Any]:
