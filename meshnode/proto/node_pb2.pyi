@@ -470,6 +470,7 @@ class RouteOpen(_message.Message):
     ISSUED_AT_UNIX_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_UNIX_FIELD_NUMBER: _builtins.int
     INITIATOR_NODE_ID_FIELD_NUMBER: _builtins.int
+    AUDIT_FIELD_NUMBER: _builtins.int
     route_session_id: _builtins.str
     """the route session"""
     route_epoch: _builtins.int
@@ -492,6 +493,11 @@ class RouteOpen(_message.Message):
     """the open must arrive before this"""
     initiator_node_id: _builtins.str
     """derived from the envelope's signer key"""
+    audit: _builtins.bool
+    """An audit session (docs/security.md, "A hop that lies"): the initiator feeds this hop itself
+    (tokens or residual rows) and nothing goes further: a non-tail hop answers each step with its
+    seal instead of forwarding, a tail computes and seals its logits but never samples.
+    """
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the range this hop is to run"""
@@ -511,10 +517,11 @@ class RouteOpen(_message.Message):
         issued_at_unix: _builtins.int = ...,
         expires_at_unix: _builtins.int = ...,
         initiator_node_id: _builtins.str = ...,
+        audit: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at_unix", b"expires_at_unix", "hop_node_id", b"hop_node_id", "initiator_node_id", b"initiator_node_id", "issued_at_unix", b"issued_at_unix", "model_fingerprint", b"model_fingerprint", "next_node_id", b"next_node_id", "nonce", b"nonce", "prev_node_id", b"prev_node_id", "prev_public_key", b"prev_public_key", "range", b"range", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "expires_at_unix", b"expires_at_unix", "hop_node_id", b"hop_node_id", "initiator_node_id", b"initiator_node_id", "issued_at_unix", b"issued_at_unix", "model_fingerprint", b"model_fingerprint", "next_node_id", b"next_node_id", "nonce", b"nonce", "prev_node_id", b"prev_node_id", "prev_public_key", b"prev_public_key", "range", b"range", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1545,6 +1552,7 @@ class HopTiming(_message.Message):
     BYTES_IN_FIELD_NUMBER: _builtins.int
     HANDLE_NANOS_FIELD_NUMBER: _builtins.int
     N_TOKENS_FIELD_NUMBER: _builtins.int
+    SEAL_FIELD_NUMBER: _builtins.int
     endpoint: _builtins.str
     """the hop"""
     compute_nanos: _builtins.int
@@ -1555,6 +1563,10 @@ class HopTiming(_message.Message):
     """time from receiving the step to having its result (includes downstream)"""
     n_tokens: _builtins.int
     """token positions the step carried"""
+    @_builtins.property
+    def seal(self) -> Global___SignedEnvelope:
+        """StepSeal of this hop for this step, signed by the hop's node key"""
+
     def __init__(
         self,
         *,
@@ -1563,14 +1575,253 @@ class HopTiming(_message.Message):
         bytes_in: _builtins.int = ...,
         handle_nanos: _builtins.int = ...,
         n_tokens: _builtins.int = ...,
+        seal: Global___SignedEnvelope | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["seal", b"seal"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "compute_nanos", b"compute_nanos", "endpoint", b"endpoint", "handle_nanos", b"handle_nanos", "n_tokens", b"n_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "compute_nanos", b"compute_nanos", "endpoint", b"endpoint", "handle_nanos", b"handle_nanos", "n_tokens", b"n_tokens", "seal", b"seal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HopTiming: _TypeAlias = HopTiming  # noqa: Y015
+
+@_typing.final
+class StepSeal(_message.Message):
+    """What a hop computed for one step, signed by it (HopTiming.seal): the digests of what it was
+    given and what it produced. The sender's output digest is the receiver's input digest, so a hop
+    can disown neither what it received nor what it sent (docs/security.md, "A hop that lies").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_SESSION_ID_FIELD_NUMBER: _builtins.int
+    ROUTE_EPOCH_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    HOP_NODE_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    RANGE_FIELD_NUMBER: _builtins.int
+    POS_START_FIELD_NUMBER: _builtins.int
+    N_TOKENS_FIELD_NUMBER: _builtins.int
+    WIRE_DTYPE_FIELD_NUMBER: _builtins.int
+    NUMERICS_FIELD_NUMBER: _builtins.int
+    INPUT_SHA256_FIELD_NUMBER: _builtins.int
+    OUTPUT_SHA256_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    route_session_id: _builtins.str
+    """the session"""
+    route_epoch: _builtins.int
+    """its epoch when the step ran"""
+    step_id: _builtins.int
+    """the step"""
+    hop_node_id: _builtins.str
+    """the hop that ran it (the signer)"""
+    model_fingerprint: _builtins.str
+    """the model"""
+    pos_start: _builtins.int
+    """first position of the chunk"""
+    n_tokens: _builtins.int
+    """positions in the chunk"""
+    wire_dtype: Global___DType.ValueType
+    """dtype of residual payloads in the digests"""
+    input_sha256: _builtins.bytes
+    """head: the token ids as int32 little-endian; else the activation's payload"""
+    output_sha256: _builtins.bytes
+    """non-tail: the residual payload sent on (wire dtype); tail: float32 logits"""
+    replayed: _builtins.bool
+    """of the chunk's last row
+    passed on from the hop's replay store, not computed in this step
+    """
+    @_builtins.property
+    def range(self) -> Global___LayerRange:
+        """the layers it ran"""
+
+    @_builtins.property
+    def numerics(self) -> Global___Numerics:
+        """the hop's numerics (what a recomputation must use)"""
+
+    def __init__(
+        self,
+        *,
+        route_session_id: _builtins.str = ...,
+        route_epoch: _builtins.int = ...,
+        step_id: _builtins.int = ...,
+        hop_node_id: _builtins.str = ...,
+        model_fingerprint: _builtins.str = ...,
+        range: Global___LayerRange | None = ...,
+        pos_start: _builtins.int = ...,
+        n_tokens: _builtins.int = ...,
+        wire_dtype: Global___DType.ValueType = ...,
+        numerics: Global___Numerics | None = ...,
+        input_sha256: _builtins.bytes = ...,
+        output_sha256: _builtins.bytes = ...,
+        replayed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["numerics", b"numerics", "range", b"range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hop_node_id", b"hop_node_id", "input_sha256", b"input_sha256", "model_fingerprint", b"model_fingerprint", "n_tokens", b"n_tokens", "numerics", b"numerics", "output_sha256", b"output_sha256", "pos_start", b"pos_start", "range", b"range", "replayed", b"replayed", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "step_id", b"step_id", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepSeal: _TypeAlias = StepSeal  # noqa: Y015
+
+@_typing.final
+class EvidenceStep(_message.Message):
+    """One chunk of an accused hop's session, as evidence: its seal and the input it was given."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEAL_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    ACTIVATION_FIELD_NUMBER: _builtins.int
+    SENDER_SEAL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def seal(self) -> Global___SignedEnvelope:
+        """the accused hop's StepSeal for this chunk"""
+
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """head: the token ids"""
+
+    @_builtins.property
+    def activation(self) -> Global___TensorBundle:
+        """else: the residual payload it received (pos_start = the chunk's)"""
+
+    @_builtins.property
+    def sender_seal(self) -> Global___SignedEnvelope:
+        """else: the previous hop's StepSeal, whose output digest is this input's"""
+
+    def __init__(
+        self,
+        *,
+        seal: Global___SignedEnvelope | None = ...,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+        activation: Global___TensorBundle | None = ...,
+        sender_seal: Global___SignedEnvelope | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "seal", b"seal", "sender_seal", b"sender_seal"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "seal", b"seal", "sender_seal", b"sender_seal", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvidenceStep: _TypeAlias = EvidenceStep  # noqa: Y015
+
+@_typing.final
+class Evidence(_message.Message):
+    """What shows that a hop lied: every chunk the accused hop ran in a session, from position 0 in
+    the original chunking up to the first whose sealed output differs from a recomputation.
+    Verifiable by anyone with the model: check the seals, hash the inputs, recompute the range
+    (meshnode verify-evidence). Sent to a tracker as the payload of a SignedEnvelope signed by
+    the reporting initiator (payload type "meshnode.v1.Evidence").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCUSED_NODE_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    RANGE_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    WRONG_POS_START_FIELD_NUMBER: _builtins.int
+    EXPECTED_OUTPUT_SHA256_FIELD_NUMBER: _builtins.int
+    REPLICA_NODE_ID_FIELD_NUMBER: _builtins.int
+    REPORTED_AT_UNIX_FIELD_NUMBER: _builtins.int
+    accused_node_id: _builtins.str
+    """the hop whose seal is wrong"""
+    model_fingerprint: _builtins.str
+    """the model"""
+    wrong_pos_start: _builtins.int
+    """the chunk whose sealed output the reporter found wrong"""
+    expected_output_sha256: _builtins.bytes
+    """what the reporter's replica computed for it"""
+    replica_node_id: _builtins.str
+    """the replica that recomputed it"""
+    reported_at_unix: _builtins.int
+    """seconds since the epoch"""
+    @_builtins.property
+    def range(self) -> Global___LayerRange:
+        """the accused hop's range"""
+
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvidenceStep]:
+        """its chunks in position order, from 0 through the wrong one"""
+
+    def __init__(
+        self,
+        *,
+        accused_node_id: _builtins.str = ...,
+        model_fingerprint: _builtins.str = ...,
+        range: Global___LayerRange | None = ...,
+        steps: _abc.Iterable[Global___EvidenceStep] | None = ...,
+        wrong_pos_start: _builtins.int = ...,
+        expected_output_sha256: _builtins.bytes = ...,
+        replica_node_id: _builtins.str = ...,
+        reported_at_unix: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accused_node_id", b"accused_node_id", "expected_output_sha256", b"expected_output_sha256", "model_fingerprint", b"model_fingerprint", "range", b"range", "replica_node_id", b"replica_node_id", "reported_at_unix", b"reported_at_unix", "steps", b"steps", "wrong_pos_start", b"wrong_pos_start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Evidence: _TypeAlias = Evidence  # noqa: Y015
+
+@_typing.final
+class OutputsRequest(_message.Message):
+    """Ask a non-tail hop for the residual rows it sent on (its replay store)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_SESSION_ID_FIELD_NUMBER: _builtins.int
+    POS_START_FIELD_NUMBER: _builtins.int
+    POS_END_FIELD_NUMBER: _builtins.int
+    AUTH_FIELD_NUMBER: _builtins.int
+    route_session_id: _builtins.str
+    """the session"""
+    pos_start: _builtins.int
+    """chunks starting at or after this position..."""
+    pos_end: _builtins.int
+    """...and ending at or before this one (0 = no bound)"""
+    @_builtins.property
+    def auth(self) -> Global___SignedEnvelope:
+        """ControlOrder (action "outputs") signed by the session's initiator"""
+
+    def __init__(
+        self,
+        *,
+        route_session_id: _builtins.str = ...,
+        pos_start: _builtins.int = ...,
+        pos_end: _builtins.int = ...,
+        auth: Global___SignedEnvelope | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth", "pos_end", b"pos_end", "pos_start", b"pos_start", "route_session_id", b"route_session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputsRequest: _TypeAlias = OutputsRequest  # noqa: Y015
+
+@_typing.final
+class OutputsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorBundle]:
+        """one per stored chunk, in position order, in the session's wire dtype"""
+
+    def __init__(
+        self,
+        *,
+        chunks: _abc.Iterable[Global___TensorBundle] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputsReply: _TypeAlias = OutputsReply  # noqa: Y015
 
 @_typing.final
 class Error(_message.Message):

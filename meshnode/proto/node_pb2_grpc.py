@@ -64,6 +64,11 @@ class NodeStub:
                 request_serializer=meshnode_dot_proto_dot_node__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=meshnode_dot_proto_dot_node__pb2.TokenizeReply.FromString,
                 _registered_method=True)
+        self.Outputs = channel.unary_unary(
+                '/meshnode.v1.Node/Outputs',
+                request_serializer=meshnode_dot_proto_dot_node__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=meshnode_dot_proto_dot_node__pb2.OutputsReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -111,6 +116,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Outputs(self, request, context):
+        """The residual rows a non-tail hop sent on for a session's chunks (its replay store): what an
+        audit feeds a replica of the next hop. Only for the session's initiator (a signed order).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +156,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=meshnode_dot_proto_dot_node__pb2.TokenizeRequest.FromString,
                     response_serializer=meshnode_dot_proto_dot_node__pb2.TokenizeReply.SerializeToString,
+            ),
+            'Outputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=meshnode_dot_proto_dot_node__pb2.OutputsRequest.FromString,
+                    response_serializer=meshnode_dot_proto_dot_node__pb2.OutputsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class Node:
             '/meshnode.v1.Node/Tokenize',
             meshnode_dot_proto_dot_node__pb2.TokenizeRequest.SerializeToString,
             meshnode_dot_proto_dot_node__pb2.TokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnode.v1.Node/Outputs',
+            meshnode_dot_proto_dot_node__pb2.OutputsRequest.SerializeToString,
+            meshnode_dot_proto_dot_node__pb2.OutputsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,10 @@ class NodeStub:
     """Out-of-band cancel of a session or one of its steps; may precede the open."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_node_pb2.TokenizeRequest, _node_pb2.TokenizeReply]
     """Tokenize text with this node's vocabulary (a tail or whole-model node carries one)."""
+    Outputs: _grpc.UnaryUnaryMultiCallable[_node_pb2.OutputsRequest, _node_pb2.OutputsReply]
+    """The residual rows a non-tail hop sent on for a session's chunks (its replay store): what an
+    audit feeds a replica of the next hop. Only for the session's initiator (a signed order).
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -77,6 +81,10 @@ class NodeAsyncStub(NodeStub):
     """Out-of-band cancel of a session or one of its steps; may precede the open."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_node_pb2.TokenizeRequest, _node_pb2.TokenizeReply]  # type: ignore[assignment]
     """Tokenize text with this node's vocabulary (a tail or whole-model node carries one)."""
+    Outputs: _aio.UnaryUnaryMultiCallable[_node_pb2.OutputsRequest, _node_pb2.OutputsReply]  # type: ignore[assignment]
+    """The residual rows a non-tail hop sent on for a session's chunks (its replay store): what an
+    audit feeds a replica of the next hop. Only for the session's initiator (a signed order).
+    """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -126,5 +134,15 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_node_pb2.TokenizeReply, _abc.Awaitable[_node_pb2.TokenizeReply]]:
         """Tokenize text with this node's vocabulary (a tail or whole-model node carries one)."""
+
+    @_abc_1.abstractmethod
+    def Outputs(
+        self,
+        request: _node_pb2.OutputsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.OutputsReply, _abc.Awaitable[_node_pb2.OutputsReply]]:
+        """The residual rows a non-tail hop sent on for a session's chunks (its replay store): what an
+        audit feeds a replica of the next hop. Only for the session's initiator (a signed order).
+        """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
