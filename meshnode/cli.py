@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import trio
 
 from meshnode import __version__, errors
+from meshnode.audit.policy import DEFAULT_AUDIT
 from meshnode.executor.config import ExecConfig
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ def _print_result(result: object, as_json: bool, streamed: bool = False) -> None
             "decode_tokens_per_second": (
                 round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
             ),
-            "failovers": result.failovers, "seed": result.seed,
+            "failovers": result.failovers, "seed": result.seed, "audit": result.audit,
         }))
     elif streamed:
         print()  # the text went out token by token
@@ -455,7 +456,8 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
                    help="find a route for this model: its file name (SmolLM2-135M-Instruct), general.name, "
                         "or sha256 / a prefix of 8+ hex digits; any case")
     p.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
-    p.add_argument("--tracker", metavar="URL", help="with --mesh: look the model up on this tracker")
+    p.add_argument("--tracker", metavar="URL",
+                   help="with --mesh: look the model up on this tracker; a hop caught lying is reported there")
     p.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
     p.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
                    help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
@@ -467,6 +469,16 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
                         "(default 30; a silent network partition is noticed no sooner)")
     p.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                    help="residual dtype on the wire; f16 is NOT bit-exact")
+    a = DEFAULT_AUDIT
+    p.add_argument("--audit-rate", type=float, default=a.rate, metavar="P",
+                   help="spot checks: the share of sessions whose hops a replica recomputes, once every node is "
+                        f"past probation (0..1, default {a.rate:g}; docs/security.md)")
+    p.add_argument("--audit-probation", type=int, default=a.probation, metavar="N",
+                   help=f"audit every session through a node until N of its sessions checked out "
+                        f"(default {a.probation})")
+    p.add_argument("--audit-every", type=int, default=a.every, metavar="STEPS",
+                   help=f"steps between two checks of an audited session: a lie is caught within this many "
+                        f"(default {a.every})")
     _add_exec_flags(p)
 
 

@@ -202,6 +202,18 @@ class TransportSecurityError(PeerError):
     code = "TRANSPORT_INSECURE"
 
 
+class MisbehavedError(PeerError):
+    """A hop's sealed output differs from a replica's recomputation of the same inputs (an audit),
+    or its seals contradict each other: it computed wrong, whatever it meant."""
+
+    code = "HOP_MISBEHAVED"
+
+    def __init__(self, message: str, *, hop: str | None = None, pos: int = 0) -> None:
+        super().__init__(message, hop=hop)
+        #: the first position whose result is not to be trusted (a failover rolls back to it)
+        self.pos = pos
+
+
 class FingerprintMismatchError(PeerError):
     code = "FINGERPRINT_MISMATCH"
 

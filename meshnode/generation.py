@@ -19,6 +19,7 @@ from pathlib import Path
 import trio
 
 from meshnode import errors
+from meshnode.audit.policy import DEFAULT_AUDIT, AuditPolicy
 from meshnode.executor.config import ExecConfig
 from meshnode.executor.sampler import SamplingParams
 from meshnode.proto import node_pb2 as pb
@@ -66,6 +67,8 @@ class Runner:
     wire_dtype: int
     rejoin_wait: float
     step_timeout: float
+    #: spot checks of the route's hops (docs/security.md, "A hop that lies")
+    audit: AuditPolicy = DEFAULT_AUDIT
     #: what each run reports on stderr (the seed it drew)
     say: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr, flush=True))
 
@@ -86,11 +89,15 @@ class Runner:
         if ns.spare and not ns.peer:
             raise errors.InputError("--spare goes with --peer (with --mesh every other peer found is a spare)")
         _check_endpoints(ns)
+        try:
+            audit = AuditPolicy(rate=ns.audit_rate, every=ns.audit_every, probation=ns.audit_probation)
+        except ValueError as e:
+            raise errors.InputError(f"--audit-*: {e}") from None
         runner = cls(peers=list(ns.peer), spares=list(ns.spare), mesh=ns.mesh, mdns=ns.mdns, tracker=ns.tracker,
                      discover_timeout=ns.discover_timeout, model=ns.model, exec_config=_exec_config(ns),
                      sampling=sampling_from_flags(ns), seed=ns.seed, stop=tuple(ns.stop), max_tokens=ns.max_tokens,
                      wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
-                     rejoin_wait=ns.rejoin_wait, step_timeout=ns.step_timeout)
+                     rejoin_wait=ns.rejoin_wait, step_timeout=ns.step_timeout, audit=audit)
         runner.config(prompt="", messages=(), announce=False)  # every setting checked before any work
         return runner
 
@@ -104,7 +111,8 @@ class Runner:
             self.say(f"meshnode: sampling with seed {sampling.seed} (repeat this run with --seed {sampling.seed})")
         cfg = GenerateConfig(prompt=prompt, messages=messages, max_tokens=self.max_tokens, sampling=sampling,
                              stop=self.stop, wire_dtype=self.wire_dtype, rejoin_wait=self.rejoin_wait,
-                             step_timeout=self.step_timeout)
+                             step_timeout=self.step_timeout, audit=self.audit,
+                             report_to=(self.tracker,) if self.tracker else ())
         check_generate(cfg)
         return cfg
 

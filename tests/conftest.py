@@ -124,8 +124,8 @@ def node_factory(model: Path) -> Iterator[Callable[..., NodeProcess]]:
     started: list[NodeProcess] = []
 
     def make(layers: str | None, *, source: Path | None = None, extra: tuple[str, ...] = (),
-             command: str = "serve", cpus: Sequence[int] = ()) -> NodeProcess:
-        n = start_node(source or model, layers, extra=extra, command=command, cpus=cpus)
+             command: str = "serve", cpus: Sequence[int] = (), prefix: Sequence[str] = ()) -> NodeProcess:
+        n = start_node(source or model, layers, extra=extra, command=command, cpus=cpus, prefix=prefix)
         started.append(n)
         return n
 

@@ -45,8 +45,9 @@ class HopPlan:
 
 
 def sign_route(ident: NodeIdentity, *, session_id: str, epoch: int, fingerprint: str, hops: list[HopPlan],
-               now: int, ttl: int = OPEN_TTL) -> list[pb.SignedEnvelope]:
-    """One signed RouteOpen per hop, in route order."""
+               now: int, ttl: int = OPEN_TTL, audit: bool = False) -> list[pb.SignedEnvelope]:
+    """One signed RouteOpen per hop, in route order (``audit``: one hop, fed by the initiator, that
+    answers with seals and forwards nothing)."""
     out = []
     for i, h in enumerate(hops):
         prev_id, prev_key = (ident.node_id, ident.public_key) if i == 0 else (hops[i - 1].node_id,
@@ -57,6 +58,7 @@ def sign_route(ident: NodeIdentity, *, session_id: str, epoch: int, fingerprint:
             prev_node_id=prev_id, prev_public_key=prev_key,
             next_node_id=hops[i + 1].node_id if i + 1 < len(hops) else "",
             nonce=os.urandom(16), issued_at_unix=now, expires_at_unix=now + ttl, initiator_node_id=ident.node_id,
+            audit=audit,
         )
         out.append(seal(ident, OPEN_TYPE, o.SerializeToString()))
     return out

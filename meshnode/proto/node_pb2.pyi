@@ -121,6 +121,7 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     OPEN_UNAUTHENTICATED: _ErrorCode.ValueType  # 36
     PEER_IMPOSTOR: _ErrorCode.ValueType  # 37
     TRANSPORT_INSECURE: _ErrorCode.ValueType  # 38
+    HOP_MISBEHAVED: _ErrorCode.ValueType  # 39
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper): ...
 
@@ -163,6 +164,7 @@ OPEN_MISMATCH: ErrorCode.ValueType  # 35
 OPEN_UNAUTHENTICATED: ErrorCode.ValueType  # 36
 PEER_IMPOSTOR: ErrorCode.ValueType  # 37
 TRANSPORT_INSECURE: ErrorCode.ValueType  # 38
+HOP_MISBEHAVED: ErrorCode.ValueType  # 39
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
 @_typing.final
@@ -1922,7 +1924,7 @@ class ControlOrder(_message.Message):
     route_session_id: _builtins.str
     """the session"""
     action: _builtins.str
-    """"release" or "cancel" """
+    """"release", "cancel" or "outputs" """
     work_id: _builtins.str
     """for cancel: one item; empty = the whole session"""
     issued_at_unix: _builtins.int

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from typing import TypeVar
 import numpy as np
 
 from meshnode import errors
+from meshnode.audit.seals import logits_digest, rows_digest, sign_step, tokens_digest
 from meshnode.executor.api import RangeExecutor
 from meshnode.executor.sampler import Chain
 from meshnode.identity import NodeIdentity
@@ -108,6 +110,9 @@ RELEASE_TIMEOUT = 2.0
 MAX_STEP_TIMEOUT_NS = 3600 * 10**9
 #: work ids a session remembers as cancelled
 MAX_CANCELLED_WORK = 256
+#: fault injection for tests only (tests/test_audit.py plants a lying hop): every Nth step this hop
+#: computes, it nudges one value of the residual it sends on by one ulp (and seals what it sent)
+LIE_EVERY = int(os.environ.get("MESHNODE_TEST_LIE_EVERY", "0") or 0)
 
 
 @dataclass
@@ -146,6 +151,10 @@ class HopSession:
     admit: Callable[[pb.RouteOpen], None] | None = None
     #: the task serving this session's stream (a resume that supersedes it cancels it)
     task: asyncio.Task[object] | None = None
+    #: an audit session (RouteOpen.audit): fed by the initiator, answers with seals, forwards nothing
+    audit: bool = False
+    #: steps computed in this session (LIE_EVERY counts them)
+    computed: int = 0
 
     # -- open -----------------------------------------------------------------
 
@@ -174,11 +183,14 @@ class HopSession:
             raise errors.InputError("only a resume carries sampled tokens")
         if o.wire_dtype not in NP_DTYPES and o.wire_dtype != pb.DTYPE_UNSPECIFIED:
             raise errors.ShapeError(f"wire dtype {o.wire_dtype} is not DTYPE_F32 or DTYPE_F16")
-        if bool(o.downstream) == (cap.range.end == cap.n_layer):
-            raise errors.RouteError("a tail has no downstream hop and every other hop has one")
         self.route_open = check_open(o, own_node_id=self.ident.node_id, fingerprint=cap.model_fingerprint,
                                      start=cap.range.start, end=cap.range.end, now=int(time.time()),
                                      seen_nonces=self.nonces)
+        self.audit = self.route_open.audit
+        if self.audit and (o.downstream or o.resume):
+            raise errors.RouteError("an audit session has no downstream hop and is never resumed")
+        if not self.audit and bool(o.downstream) == (cap.range.end == cap.n_layer):
+            raise errors.RouteError("a tail has no downstream hop and every other hop has one")
         if o.downstream and o.downstream[0].node_id != self.route_open.next_node_id:
             raise errors.OpenMismatchError("the next hop is not the one the signed open names")
         if self.admit is not None:
@@ -194,7 +206,7 @@ class HopSession:
         else:
             self.slot = self.executor.open_slot()
         assert self.slot is not None
-        if not o.downstream:
+        if not o.downstream and not self.audit:
             self.chain = self._rebuild_chain(sampling, o.sampled, o.n_past)
         hops = [cap]
         acceptances = [accept(self.ident, self.route_open)]
@@ -316,11 +328,13 @@ class HopSession:
         if s.cache.n_past != n_past:
             raise errors.CacheMissError(f"step expects {s.cache.n_past} cached positions; this hop holds {n_past}")
         tokens = embd = None
+        wire = self.open_msg.wire_dtype or pb.DTYPE_F32
         if ex.takes_tokens:
             if s.HasField("activation") or not s.tokens:
                 raise errors.ShapeError("this hop is the head: a step must carry token ids")
             tokens = np.asarray(s.tokens, dtype=np.int32)
             n = len(tokens)
+            digest_in = tokens_digest(tokens)
         else:
             if not s.HasField("activation"):
                 raise errors.ShapeError("this hop takes a residual: a step must carry an activation")
@@ -328,6 +342,7 @@ class HopSession:
             n = embd.shape[0]
             if s.activation.pos_start != n_past:
                 raise errors.CacheMissError(f"activation starts at position {s.activation.pos_start}, not {n_past}")
+            digest_in = rows_digest(embd, wire)
         if n > self.negotiated.max_prefill_chunk_tokens:
             raise errors.ShapeError(f"step carries {n} tokens; the negotiated maximum is "
                                     f"{self.negotiated.max_prefill_chunk_tokens}")
@@ -335,13 +350,19 @@ class HopSession:
         timing = pb.HopTiming(endpoint=self.endpoint, compute_nanos=timed.compute_nanos, n_tokens=n,
                               bytes_in=s.activation.total_bytes if embd is not None else 4 * n)
         out = timed.output
+        self.computed += 1
         if out.residual is not None:
-            self.history[n_past] = out.residual
-            return await self._forward(frame, out.residual, n_past, timing, left)
+            residual = self._maybe_lie(out.residual)
+            timing.seal.CopyFrom(self._seal(s.step_id, n_past, n, digest_in, rows_digest(residual, wire)))
+            if self.audit:
+                return _ready(pb.StepResult(step_id=s.step_id, timings=[timing]))
+            self.history[n_past] = residual
+            return await self._forward(frame, residual, n_past, timing, left)
         assert out.logits is not None
+        timing.seal.CopyFrom(self._seal(s.step_id, n_past, n, digest_in, logits_digest(out.logits)))
         result = pb.StepResult(step_id=s.step_id, timings=[timing])
-        if s.replay:
-            return _ready(result)  # rebuilt this hop's KV; the token was sampled before the failover
+        if s.replay or self.audit:
+            return _ready(result)  # rebuilt this hop's KV (the token was sampled before the failover) or audited
         if s.sample:
             vocab = ex.vocab
             assert vocab is not None
@@ -354,15 +375,34 @@ class HopSession:
             result.logits.CopyFrom(encode_bundle(out.logits[None, :], max_chunk_bytes=1 << 30))
         return _ready(result)
 
+    def _seal(self, step_id: int, pos: int, n: int, digest_in: bytes, digest_out: bytes, *,
+              replayed: bool = False) -> pb.SignedEnvelope:
+        assert self.open_msg is not None
+        return sign_step(self.ident, self.capability, session_id=self.session_id, epoch=self.epoch, step_id=step_id,
+                         pos_start=pos, n_tokens=n, wire_dtype=self.open_msg.wire_dtype, input_sha256=digest_in,
+                         output_sha256=digest_out, replayed=replayed)
+
+    def _maybe_lie(self, residual: np.ndarray) -> np.ndarray:
+        """Tests only (``MESHNODE_TEST_LIE_EVERY``): every Nth computed step, one value one ulp off."""
+        if not LIE_EVERY or self.audit or self.computed % LIE_EVERY:
+            return residual
+        lied = residual.copy()
+        lied[-1, 0] = np.nextafter(lied[-1, 0], np.float32(np.inf))
+        return lied
+
     async def _replay_cached(self, frame: pb.SessionFrame, left: float | None) -> Awaitable[pb.StepResult]:
         """A replay step for positions this hop holds: pass the stored rows on (tail: acknowledge)."""
         s = frame.step
         pos = s.cache.n_past
+        wire = (self.open_msg.wire_dtype if self.open_msg is not None else 0) or pb.DTYPE_F32
         if self.executor.takes_tokens:
             n = len(s.tokens)
+            digest_in = tokens_digest(s.tokens)
         else:
-            n = decode_bundle(s.activation, n_cols=self.executor.n_embd,
-                              max_chunk_bytes=self.negotiated.max_chunk_bytes).shape[0]
+            embd = decode_bundle(s.activation, n_cols=self.executor.n_embd,
+                                 max_chunk_bytes=self.negotiated.max_chunk_bytes)
+            n = embd.shape[0]
+            digest_in = rows_digest(embd, wire)
             if s.activation.pos_start != pos:
                 raise errors.CacheMissError(f"activation starts at position {s.activation.pos_start}, not {pos}")
         if n < 1:
@@ -374,7 +414,17 @@ class HopSession:
         if rows is None or len(rows) != n:
             raise errors.CacheMissError(f"no stored output for a {n}-position chunk at position {pos}; replay "
                                         "must repeat the session's original chunking")
+        timing.seal.CopyFrom(self._seal(s.step_id, pos, n, digest_in, rows_digest(rows, wire), replayed=True))
         return await self._forward(frame, rows, pos, timing, left)
+
+    def outputs(self, start: int, end: int) -> list[pb.TensorBundle]:
+        """The rows this (non-tail) hop sent on for the chunks within positions [start, end) (0: no
+        end), in position order, as the wire payloads it sent: what an audit feeds a replica of the
+        next hop (docs/security.md, "A hop that lies")."""
+        assert self.open_msg is not None
+        wire = self.open_msg.wire_dtype or pb.DTYPE_F32
+        return [encode_bundle(rows, dtype=wire, pos_start=p, max_chunk_bytes=self.negotiated.max_chunk_bytes)
+                for p, rows in sorted(self.history.items()) if p >= start and (not end or p + len(rows) <= end)]
 
     async def _forward(self, frame: pb.SessionFrame, residual: np.ndarray, n_past: int,
                        timing: pb.HopTiming, left: float | None) -> Awaitable[pb.StepResult]:

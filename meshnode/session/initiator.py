@@ -26,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,7 +34,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from meshnode import errors
+from meshnode import atomicfile, errors
+from meshnode.audit.auditor import Auditor
+from meshnode.audit.policy import DEFAULT_AUDIT, AuditPolicy, Ledger
 from meshnode.executor.context import check_fits
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import check_attested
@@ -58,6 +61,18 @@ log = logging.getLogger("meshnode.initiator")
 MAX_FAILOVERS = 4
 #: seconds an abandoned session's out-of-band Release may take
 ABANDON_TIMEOUT = 2.0
+#: seconds a generation waits at its end for reports of caught lies to reach their trackers
+REPORT_TIMEOUT = 120.0
+
+
+async def _report_to(url: str, env: pb.SignedEnvelope) -> None:
+    try:
+        from meshnode.discovery.tracker_client import report_evidence
+
+        verdict = await report_evidence(url, env, REPORT_TIMEOUT)
+        log.error("tracker %s on the evidence: %s", url, verdict)
+    except Exception as e:  # a report is best effort: the evidence is kept in the state dir
+        log.warning("could not report the evidence to %s: %s", url, e)
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,10 @@ class GenerateConfig:
     #: chat: (role, content) messages, rendered by the tail with the model's own chat template as
     #: ``Llama.create_chat_completion`` renders them (then ``prompt`` is not used)
     messages: tuple[tuple[str, str], ...] = ()
+    #: spot checks of the route's hops against replicas (docs/security.md, "A hop that lies")
+    audit: AuditPolicy = DEFAULT_AUDIT
+    #: trackers to report a caught lie to (the evidence, signed by this initiator)
+    report_to: tuple[str, ...] = ()
 
 
 @dataclass
@@ -106,6 +125,8 @@ class GenerationResult:
     failovers: list[dict[str, object]] = field(default_factory=list)
     #: the dist sampler's seed (None: greedy, no seed involved)
     seed: int | None = None
+    #: spot checks: whether this session was audited, which hops by which replica, lies caught
+    audit: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -158,6 +179,8 @@ class RouteSession:
         #: Generate results read and not yet acknowledged with a CreditGrant
         self._owed = 0
         self._stream = FrameStream(peers[0], self.caps[0].node_id)
+        #: keeps every step's seals when the session is audited
+        self.auditor: Auditor | None = None
 
     async def _write(self, frame: pb.SessionFrame) -> None:
         await self._stream.write(frame)
@@ -173,6 +196,8 @@ class RouteSession:
         reply = await self._stream.read(self.cfg.step_timeout * 1.25 + 0.5)
         if reply.HasField("error"):
             raise codec.error_from_pb(reply.error)
+        if self.auditor is not None and reply.HasField("result"):
+            self.auditor.record(reply.result)
         return reply
 
     async def open(self, *, resume: bool = False) -> pb.SessionAccepted:
@@ -357,16 +382,27 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
     spare_caps = {e: c for e, c in spare_caps.items()
                   if c.numerics.n_ctx_per_session >= len(prompt) + cfg.max_tokens}
     rs = RouteSession(peers, caps, cfg, ident)
-    completion = new_completion(cfg, bos, caps[0].numerics.n_ctx_per_session - len(prompt))
+    ledger = Ledger(state_dir())
+    if ledger.audited([c.node_id for c in caps], cfg.audit, random.Random()):
+        rs.auditor = Auditor(rs.ident, every=cfg.audit.every, wire_dtype=cfg.wire_dtype, step_timeout=cfg.step_timeout)
+    limit = caps[0].numerics.n_ctx_per_session - len(prompt)
+    run = _Run(rs, prompt, cfg, spare_caps, lambda: new_completion(cfg, bos, limit), on_token)
     try:
         await rs.open()
-        return await _Run(rs, prompt, cfg, spare_caps, completion, on_token).run()
+        result = await run.run()
+        if rs.auditor is not None and rs.auditor.passed:
+            ledger.passed(sorted(rs.auditor.passed))
+        return result
     except asyncio.CancelledError:  # stopped by the user (Ctrl-C) or the caller: nothing will resume it
         await asyncio.shield(rs.abandon())
         raise
     except BaseException:  # a failure: the hops keep the KV detached for their grace period (a resume)
         await rs.close()
         raise
+    finally:
+        if rs.auditor is not None:
+            await asyncio.shield(rs.auditor.close())
+        await run.reported()
 
 
 async def _prompt(tail: str, cfg: GenerateConfig, tail_id: str) -> tuple[list[int], int, GenerateConfig]:
@@ -425,9 +461,22 @@ class _Run:
     """One generation: prefill, decode, and a failover whenever a hop dies and a spare can take over."""
 
     def __init__(self, rs: RouteSession, prompt: list[int], cfg: GenerateConfig,
-                 spares: dict[str, pb.Capability], completion: Completion, on_token: OnToken | None) -> None:
+                 spares: dict[str, pb.Capability], renew: Callable[[], Completion], on_token: OnToken | None) -> None:
         self.rs, self.prompt, self.cfg, self.on_token = rs, prompt, cfg, on_token
-        self.completion = completion
+        self.renew = renew
+        self.completion = renew()
+        #: (token, piece, end of generation) of every result taken, in order (a roll-back replays them)
+        self.results: list[tuple[int, bytes, bool]] = []
+        #: with an audit: (token, text released, end of generation) not yet passed to on_token (unchecked)
+        self.held: list[tuple[int, bytes, bool]] = []
+        #: results passed on (or skipped, end of generation) to on_token
+        self.emitted = 0
+        #: hops caught lying: never taken again in this generation
+        self.banned: set[str] = set()
+        #: reports of caught lies to trackers, still on their way
+        self.reports: list[asyncio.Task[None]] = []
+        #: pieces of evidence already kept and reported
+        self.n_reported = 0
         #: every peer of the model seen so far, on the route or not (the spares are derived from it)
         self.known: dict[str, pb.Capability] = {**spares, **dict(zip(rs.peers, rs.caps, strict=True))}
         chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
@@ -436,6 +485,8 @@ class _Run:
         self.bytes_in: dict[str, int] = {}
         self.failovers: list[Failover] = []
         self.backoff = Backoff()
+        if rs.auditor is not None:
+            rs.auditor.watch(rs.peers, rs.caps, self.known)
 
     async def run(self) -> GenerationResult:
         rs, cfg = self.rs, self.cfg
@@ -451,7 +502,12 @@ class _Run:
                 t1 = time.perf_counter() if not prefill else t0 + prefill
                 while not done:
                     done = await self._decode()
+                await self._verify(final=True)
                 break
+            except errors.MisbehavedError as e:
+                if e.hop not in rs.peers or len(self.failovers) >= MAX_FAILOVERS:
+                    raise
+                await self._caught(e)
             except errors.MeshnodeError as e:
                 if not can_fail_over(e, rs.peers) or len(self.failovers) >= MAX_FAILOVERS:
                     raise
@@ -468,7 +524,7 @@ class _Run:
             prefill_seconds=prefill, decode_seconds=decode, route=list(rs.peers), logits=self.logits,
             bytes_per_token={k: v / steps for k, v in self.bytes_in.items()},
             failovers=[{k: v for k, v in asdict(f).items() if k != "detected_at"} for f in self.failovers],
-            seed=seed_of(cfg),
+            seed=seed_of(cfg), audit=self._audit_summary(),
         )
 
     def _pipeline(self) -> bool:
@@ -483,12 +539,15 @@ class _Run:
         # at least one more: Llama lets a text that ends mid-character run past max_tokens
         left = max(min(self.cfg.max_tokens, c.limit) - len(rs.sampled), 1)
         if not self.cfg.delegate:
-            return self._take(await rs.step([rs.sampled[-1]], sample=True))
+            done = self._take(await rs.step([rs.sampled[-1]], sample=True))
+            await self._verify()
+            return done
         results = rs.generate(rs.sampled[-1], left)
         try:
             async for result in results:
                 if self._take(result):
                     return True
+                await self._verify()
         finally:
             with contextlib.suppress(Exception):
                 await results.aclose()  # type: ignore[attr-defined]
@@ -507,10 +566,100 @@ class _Run:
         if len(self.rs.sampled) > 1:
             for t in result.timings:
                 self.bytes_in[t.endpoint] = self.bytes_in.get(t.endpoint, 0) + t.bytes_in
+        self.results.append((result.token, result.piece, result.end_of_generation))
         done = self.completion.add(result.token, result.piece, eog=result.end_of_generation)
-        if self.on_token is not None and not result.end_of_generation:
-            self.on_token(result.token, self.completion.release())
+        self.held.append((result.token, self.completion.release(), result.end_of_generation))
+        a = self.rs.auditor
+        self._pass_on(len(self.results) if a is None or not a.shadows else self._checked_results())
         return done
+
+    # -- audits (docs/security.md, "A hop that lies") ------------------------------------
+
+    def _checked_results(self) -> int:
+        """Results whose every step was checked: the token sampled from the chunk ending at position
+        p is the (p - prompt length)th, so a check through position c covers c - prompt + 1 of them."""
+        assert self.rs.auditor is not None
+        return max(self.rs.auditor.checked - len(self.prompt) + 1, 0)
+
+    def _pass_on(self, upto: int) -> None:
+        """Hand held results up to the ``upto``th to ``on_token`` (a stream holds unchecked text back)."""
+        while self.held and self.emitted < upto:
+            token, text, eog = self.held.pop(0)
+            self.emitted += 1
+            if self.on_token is not None and not eog:
+                self.on_token(token, text)
+
+    async def _verify(self, *, final: bool = False) -> None:
+        """A check when one is due (every ``audit.every`` steps), and always at the end."""
+        rs, a = self.rs, self.rs.auditor
+        if a is None or not (final or a.due(rs.n_past)):
+            return
+        await a.check(rs.peers, rs.caps, rs.history, rs.id)
+        self._pass_on(len(self.results) if final or not a.shadows else self._checked_results())
+
+    async def _caught(self, e: errors.MisbehavedError) -> None:
+        """A hop lied: keep the evidence, go back to the lie, fail over away from the liar for good."""
+        rs, a = self.rs, self.rs.auditor
+        assert a is not None
+        assert e.hop is not None
+        log.error("hop %s lied (%s): rolling back to position %d and re-routing", e.hop, e.message, e.pos)
+        self.banned.add(e.hop)
+        for env, what in zip(a.evidence[self.n_reported:], a.caught[self.n_reported:], strict=True):
+            self._report(env, what)
+        self.n_reported = len(a.evidence)
+        self._roll_back(e.pos)
+        await a.roll_back(rs.n_past)
+        await self._fail_over(e)
+        a.watch(rs.peers, rs.caps, self.known, frozenset(self.banned))
+
+    def _roll_back(self, pos: int) -> None:
+        """Forget every position from the chunk at ``pos`` on and the tokens sampled from them; the
+        text is rebuilt from the results kept (what was passed on already is the same text)."""
+        rs = self.rs
+        keep, q = [], 0
+        for chunk in rs.history:
+            if q + len(chunk) > pos:
+                break
+            keep.append(chunk)
+            q += len(chunk)
+        rs.history, rs.n_past = keep, q
+        kept = q - len(self.prompt) + 1 if q >= len(self.prompt) else 0
+        del rs.sampled[kept:], self.results[kept:], self.logits[kept:]
+        self.completion, self.held = self.renew(), []
+        for j, (token, piece, eog) in enumerate(self.results):
+            self.completion.add(token, piece, eog=eog)
+            text = self.completion.release()
+            if j >= self.emitted:
+                self.held.append((token, text, eog))
+        self.emitted = min(self.emitted, kept)
+
+    def _report(self, env: pb.SignedEnvelope, what: dict[str, object]) -> None:
+        """Keep the evidence in the state dir (its path goes into ``what``) and send it to the
+        trackers (in the background)."""
+        where = state_dir() / "evidence"
+        path = where / f"{int(time.time())}-{str(what['node_id'])[:16]}.pb"
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            atomicfile.write(path, env.SerializeToString(), 0o600)
+            what["evidence"] = str(path)
+            log.error("evidence of the lie kept in %s (check it: meshnode verify-evidence %s --model GGUF)", path,
+                      path)
+        except OSError as e:
+            log.warning("could not keep the evidence in %s: %s", path, e)
+        for url in self.cfg.report_to:
+            self.reports.append(asyncio.ensure_future(_report_to(url, env)))
+
+    async def reported(self) -> None:
+        """Wait (bounded) for the reports of caught lies to reach their trackers."""
+        if self.reports:
+            await asyncio.wait(self.reports, timeout=REPORT_TIMEOUT)
+
+    def _audit_summary(self) -> dict[str, object]:
+        a = self.rs.auditor
+        if a is None:
+            return {"audited": False}
+        return {"audited": True, "every": self.cfg.audit.every, "hops": dict(a.audited),
+                "checked_positions": a.checked, "caught": list(a.caught)}
 
     async def _fail_over(self, e: errors.MeshnodeError) -> None:
         rs = self.rs
@@ -529,10 +678,13 @@ class _Run:
             known = [Candidate(c.node_id, ep, c.range.start, c.range.end, c.throughput.decode_tokens_per_second,
                                0.0, 1) for ep, c in self.known.items()]
             try:
-                chain = replacement(span, spare_candidates(known, rs.peers), self.backoff.avoided(time.monotonic()))
+                chain = replacement(span, spare_candidates(known, rs.peers),
+                                    self.backoff.avoided(time.monotonic()) | frozenset(self.banned))
                 new = [c.endpoint for c in chain]
                 new_caps = [self.known[p] for p in new]
             except errors.RouteError as why:
+                if isinstance(e, errors.MisbehavedError):  # a liar is not waited for
+                    raise errors.MisbehavedError(f"{e.message}; {why.message}", hop=e.hop, pos=e.pos) from e
                 back = await self._comeback(e.hop, dead)
                 if back is None:
                     raise type(e)(f"{e.message}; {why.message}, and it did not come back within "

@@ -119,3 +119,18 @@ async def health(endpoint: str, timeout: float = 5.0, node_id: str | None = None
         except grpc.aio.AioRpcError as e:
             raise translate(e, endpoint, "Health") from e
     return reply
+
+
+async def outputs(endpoint: str, node_id: str, session_id: str, auth: pb.SignedEnvelope, start: int, end: int,
+                  timeout: float = 30.0) -> list[pb.TensorBundle]:
+    """The residual rows a non-tail hop sent on for a session's chunks in positions [start, end)
+    (``auth``: a ControlOrder "outputs" signed by the session's initiator); a reply may stop early
+    (a size bound): ask again from the end of the last chunk."""
+    async with await open_channel(endpoint, node_id) as ch:
+        try:
+            reply = await pb_grpc.NodeStub(ch).Outputs(
+                pb.OutputsRequest(route_session_id=session_id, pos_start=start, pos_end=end, auth=auth),
+                timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, endpoint, "Outputs") from e
+    return list(reply.chunks)

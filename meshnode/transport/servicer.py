@@ -145,6 +145,8 @@ class _Writer:
 ADMISSION_POLL = 0.02
 #: session ids a node remembers as cancelled before their open (anyone may send such a cancel)
 MAX_EARLY_CANCELS = 4096
+#: residual bytes one Outputs reply carries at most (under the 64 MiB message bound)
+MAX_OUTPUTS_BYTES = 32 << 20
 
 
 async def _read(context: Any) -> Any:
@@ -266,6 +268,27 @@ class NodeServicer(pb_grpc.NodeServicer):
         s.detachable = False
         await s.close()
         return pb.ReleaseReply(released=True)
+
+    async def Outputs(self, request: pb.OutputsRequest, context: Any) -> pb.OutputsReply:
+        """The residual rows this hop sent on for a session's chunks: only to its initiator; bounded
+        to ``MAX_OUTPUTS_BYTES`` a reply (the initiator asks again from where it stopped)."""
+        sid = request.route_session_id
+        s = self.sessions.get(sid) or self.detached.get(sid)
+        try:
+            signer = check_control(request.auth, session_id=sid, action="outputs", work_id="", now=int(time.time()))
+        except errors.MeshnodeError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{e.code}: {e.message}")
+            raise AssertionError("unreachable") from e
+        if s is None or s.route_open.initiator_node_id != signer:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"UNKNOWN_SESSION: no session {sid} of yours here")
+            raise AssertionError("unreachable")
+        reply, size = pb.OutputsReply(), 0
+        for bundle in s.outputs(request.pos_start, request.pos_end):
+            size += bundle.total_bytes
+            if size > MAX_OUTPUTS_BYTES and reply.chunks:
+                break
+            reply.chunks.append(bundle)
+        return reply
 
     async def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelReply:
         sid, work = request.route_session_id, request.work_id
