@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from pathlib import Path
+import time
 
 import trio
 
@@ -51,7 +51,8 @@ async def test_a_hop_that_lies_by_one_ulp_is_caught_rolled_back_and_routed_aroun
     assert result["tokens"] == reference.tokens, err  # the text equals the honest run's
     assert [s["token"] for s in streamed] == reference.tokens  # nothing unchecked was streamed, then taken back
     audit = result["audit"]
-    assert audit["audited"] and audit["every"] == EVERY
+    assert audit["audited"]
+    assert audit["every"] == EVERY
     assert audit["hops"][liar.endpoint] == replica.endpoint
     (caught,) = audit["caught"]
     # the liar's 50th computed step: the prompt's chunk was its first, then one step per token
@@ -65,7 +66,7 @@ async def test_a_hop_that_lies_by_one_ulp_is_caught_rolled_back_and_routed_aroun
     assert f["replayed_positions"] >= lie_at  # the replica rebuilt the range's KV up to the lie, then on
     assert result["route"] == [head.endpoint, replica.endpoint, tail.endpoint]
     # the evidence is kept, signed by the initiator: the liar's seals and inputs up to the wrong chunk
-    env = pb.SignedEnvelope.FromString(Path(caught["evidence"]).read_bytes())
+    env = pb.SignedEnvelope.FromString(await trio.Path(caught["evidence"]).read_bytes())
     ev = pb.Evidence.FromString(env.payload)
     assert ev.accused_node_id == caught["node_id"]
     assert ev.wrong_pos_start == lie_at
@@ -85,7 +86,8 @@ async def test_an_honest_route_is_audited_on_probation_and_then_at_the_rate(mode
     (result,), err = await _generate([*base, "--audit-probation", "1", "--audit-rate", "0"])
     assert result["tokens"] == reference.tokens, err
     audit = result["audit"]
-    assert audit["audited"] and audit["caught"] == [], err
+    assert audit["audited"], err
+    assert audit["caught"] == [], err
     assert audit["hops"] == {head.endpoint: spare_head.endpoint, tail.endpoint: spare_tail.endpoint}
     assert audit["checked_positions"] == len(reference.prompt_tokens) + 24 - 1  # every step, to the last
     assert result["failovers"] == []
@@ -110,3 +112,73 @@ def test_the_ledger_audits_nodes_on_probation_then_at_the_rate(tmp_path):
     (tmp_path / "audits.json").write_text("{not json")
     assert Ledger(tmp_path).clean == {}  # unreadable: everyone back on probation (logged), never a crash
     assert not Ledger(tmp_path).audited(["a"], AuditPolicy(rate=0.0, probation=0), rng)
+
+
+async def _hostile_outputs_and_audit_opens(head: str, tail: str) -> dict[str, object]:
+    from meshnode import errors
+    from meshnode.audit.auditor import Shadow
+    from meshnode.identity import NodeIdentity
+    from meshnode.identity.routeauth import HopPlan, sign_control, sign_route
+    from meshnode.session.initiator import GenerateConfig, RouteSession, check_route
+    from meshnode.transport.client import outputs
+    from tests.test_route_auth import _code, _try_open
+
+    out: dict[str, object] = {}
+    caps = await check_route([head, tail])
+    me, stranger = NodeIdentity.generate(), NodeIdentity.generate()
+    rs = RouteSession([head, tail], caps, GenerateConfig(prompt=""), me)
+    await rs.open()
+    try:
+        await rs.step([1, 2, 3, 4], sample=True)
+        await rs.step([5], sample=True)
+        now = int(time.time())
+        mine = await outputs(head, caps[0].node_id, rs.id, sign_control(me, rs.id, "outputs", now=now), 0, 0)
+        out["mine"] = [(b.pos_start, list(b.shape)) for b in mine]
+        for name, auth, sid in (("stranger", sign_control(stranger, rs.id, "outputs", now=now), rs.id),
+                                ("release order", sign_control(me, rs.id, "release", now=now), rs.id),
+                                ("unknown", sign_control(me, "nope", "outputs", now=now), "nope")):
+            try:
+                await outputs(head, caps[0].node_id, sid, auth, 0, 0)
+                out[name] = "served"
+            except errors.MeshnodeError as e:
+                out[name] = str(e)
+    finally:
+        await rs.release()
+    # an audit open naming a downstream hop is refused; a plain audit session answers with seals
+    cap = caps[0]
+    plan = HopPlan(cap.node_id, cap.attestation.signer_public_key, cap.range.start, cap.range.end)
+    sid = "audit-with-downstream"
+    (signed,) = sign_route(me, session_id=sid, epoch=1, fingerprint=cap.model_fingerprint, hops=[plan],
+                           now=int(time.time()), audit=True)
+    frame = pb.SessionFrame(route_session_id=sid, route_epoch=1, open=pb.SessionOpen(
+        schema_version=1, route_session_id=sid, route_epoch=1, model_fingerprint=cap.model_fingerprint,
+        range=cap.range, numerics=cap.numerics, limits=cap.limits, signed_open=signed,
+        downstream=[pb.Hop(endpoint=tail, range=caps[1].range, node_id=caps[1].node_id)]))
+    out["audit with downstream"] = _code(await _try_open(head, frame))
+    digests = []
+    for _ in range(2):  # two audit sessions of the same input: bit-identical seals
+        sh = Shadow(cap.node_id, head, cap)
+        await sh.open(me, pb.DTYPE_F32, 30.0)
+        try:
+            digests.append([await sh.run(0, [1, 2, 3, 4], 30.0), await sh.run(4, [5], 30.0)])
+        finally:
+            await sh.close()
+    out["audit digests"] = digests
+    return out
+
+
+async def test_outputs_go_to_the_initiator_only_and_audit_sessions_forward_nothing(route2):
+    from tests.conftest import aio
+
+    head, tail = (n.endpoint for n in route2)
+    out = await aio(_hostile_outputs_and_audit_opens, head, tail)
+    assert out["mine"] == [(0, [4, 576]), (4, [1, 576])]  # the head's residuals per chunk, as sent on
+    assert "NOT_FOUND" in str(out["stranger"])
+    assert "UNKNOWN_SESSION" in str(out["stranger"])
+    assert "PERMISSION_DENIED" in str(out["release order"])  # an order for another action
+    assert "NOT_FOUND" in str(out["unknown"])
+    assert out["audit with downstream"] == "ROUTE_INVALID"
+    (a, b) = out["audit digests"]
+    assert a == b
+    assert all(len(d) == 32 for d in a)
+    assert a[0] != a[1]
