@@ -36,6 +36,7 @@ from starlette.routing import Route
 from meshnode import errors
 from meshnode.api import schema
 from meshnode.api.mesh import MeshView
+from meshnode.audit.policy import Ledger
 from meshnode.httpserve import read_body
 from meshnode.httptls import TLSFiles
 from meshnode.identity import NodeIdentity
@@ -76,6 +77,8 @@ class Gateway:
         self.nursery: trio.Nursery | None = None
         #: the gateway signs its route sessions with a key of its own, made at start (it keeps no state)
         self.ident = NodeIdentity.generate()
+        #: which nodes passed their audits, for this process's life (docs/security.md, "A hop that lies")
+        self.ledger = Ledger(None)
 
     def asgi(self) -> Starlette:
         routes = [Route("/v1/models", self.models, methods=["GET"]),
@@ -153,7 +156,8 @@ class Gateway:
                 token.run_sync_soon(send.send_nowait, ("text", text))
 
         cfg = GenerateConfig(prompt=job.prompt, messages=job.messages, max_tokens=job.max_tokens or 0,
-                             sampling=job.sampling, stop=job.stop, step_timeout=self.config.step_timeout)
+                             sampling=job.sampling, stop=job.stop, step_timeout=self.config.step_timeout,
+                             report_to=(self.mesh.source.tracker,) if self.mesh.source.tracker else ())
         with send, scope:
             try:
                 found = await self.mesh.route(job.model)
@@ -161,7 +165,7 @@ class Gateway:
                 try:
                     result = await self.aio.run(functools.partial(generate, found.route, cfg, self.ident,
                                                                   spares=found.spares,
-                                                                  on_token=on_token))
+                                                                  on_token=on_token, ledger=self.ledger))
                 finally:
                     self.mesh.unhold(found.route)
                 await _drain_soon(token)  # the pieces the asyncio thread posted arrive before the end

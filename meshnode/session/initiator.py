@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -361,7 +362,7 @@ class RouteSession:
 
 async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentity | None = None, *,
                    spares: Sequence[str] = (),
-                   on_token: OnToken | None = None) -> GenerationResult:
+                   on_token: OnToken | None = None, ledger: Ledger | None = None) -> GenerationResult:
     """Generate across the route ``peers`` (in layer order).
 
     ``spares``: other peers of the same model; when a hop fails, one of them
@@ -382,11 +383,12 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
     spare_caps = {e: c for e, c in spare_caps.items()
                   if c.numerics.n_ctx_per_session >= len(prompt) + cfg.max_tokens}
     rs = RouteSession(peers, caps, cfg, ident)
-    ledger = Ledger(state_dir())
+    ledger = ledger or Ledger(state_dir())
     if ledger.audited([c.node_id for c in caps], cfg.audit, random.Random()):
         rs.auditor = Auditor(rs.ident, every=cfg.audit.every, wire_dtype=cfg.wire_dtype, step_timeout=cfg.step_timeout)
     limit = caps[0].numerics.n_ctx_per_session - len(prompt)
     run = _Run(rs, prompt, cfg, spare_caps, lambda: new_completion(cfg, bos, limit), on_token)
+    run.evidence_dir = ledger.path.parent / "evidence" if ledger.path is not None else None
     try:
         await rs.open()
         result = await run.run()
@@ -477,6 +479,8 @@ class _Run:
         self.reports: list[asyncio.Task[None]] = []
         #: pieces of evidence already kept and reported
         self.n_reported = 0
+        #: where caught lies' evidence is kept (None: only reported)
+        self.evidence_dir: Path | None = None
         #: every peer of the model seen so far, on the route or not (the spares are derived from it)
         self.known: dict[str, pb.Capability] = {**spares, **dict(zip(rs.peers, rs.caps, strict=True))}
         chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
@@ -636,9 +640,11 @@ class _Run:
     def _report(self, env: pb.SignedEnvelope, what: dict[str, object]) -> None:
         """Keep the evidence in the state dir (its path goes into ``what``) and send it to the
         trackers (in the background)."""
-        where = state_dir() / "evidence"
-        path = where / f"{int(time.time())}-{str(what['node_id'])[:16]}.pb"
+        where = self.evidence_dir
+        path = where / f"{int(time.time())}-{str(what['node_id'])[:16]}.pb" if where is not None else None
         try:
+            if where is None or path is None:
+                raise OSError("this initiator keeps no state")
             where.mkdir(parents=True, exist_ok=True)
             atomicfile.write(path, env.SerializeToString(), 0o600)
             what["evidence"] = str(path)
