@@ -160,7 +160,8 @@ async def _hostile_outputs_and_audit_opens(head: str, tail: str) -> dict[str, ob
         sh = Shadow(cap.node_id, head, cap)
         await sh.open(me, pb.DTYPE_F32, 30.0)
         try:
-            digests.append([await sh.run(0, [1, 2, 3, 4], 30.0), await sh.run(4, [5], 30.0)])
+            digests.append([(await sh.run(0, [1, 2, 3, 4], 30.0)).output_sha256,
+                            (await sh.run(4, [5], 30.0)).output_sha256])
         finally:
             await sh.close()
     out["audit digests"] = digests
@@ -182,3 +183,24 @@ async def test_outputs_go_to_the_initiator_only_and_audit_sessions_forward_nothi
     assert a == b
     assert all(len(d) == 32 for d in a)
     assert a[0] != a[1]
+
+
+async def test_a_tail_that_returns_another_token_than_it_drew_is_caught(model, node_factory):
+    """The seal names the token the tail returned; its replica draws with the same chain from the same
+    logits: a tail that returns the next token id every 20th step is caught, and the text is the honest one."""
+    reference = await trio.to_thread.run_sync(lambda: llama_reference(model, PROMPT, 48))
+    head = await _start(node_factory, "0:15")
+    tail = await trio.to_thread.run_sync(lambda: node_factory("15:30", prefix=("env", "MESHNODE_TEST_LIE_EVERY=20")))
+    replica = await _start(node_factory, "15:30")
+    cmd = [sys.executable, "-m", "meshnode", "generate", "--peer", head.endpoint, "--peer", tail.endpoint,
+           "--spare", replica.endpoint, "--prompt", PROMPT, "--max-tokens", "48", "--json"]
+    (result,), err = await _generate(cmd)
+    assert result["tokens"] == reference.tokens, err
+    (caught,) = result["audit"]["caught"]
+    assert caught["hop"] == tail.endpoint
+    assert caught["drew"] == (caught["replica_drew"] + 1) % 49152
+    assert caught["position"] == len(reference.prompt_tokens) + 20 - 2  # its 20th computed step
+    assert "evidence" not in caught  # a draw is not recomputed by a verifier (yet): no evidence kept
+    (f,) = result["failovers"]
+    assert f["replacement"] == [replica.endpoint]
+    assert result["route"] == [head.endpoint, replica.endpoint]

@@ -60,7 +60,8 @@ class Shadow:
     #: what the audited hop was given per chunk, by position (the evidence, should it lie)
     inputs: dict[int, Given] = field(default_factory=dict)
 
-    async def open(self, ident: NodeIdentity, wire_dtype: int, timeout: float) -> None:
+    async def open(self, ident: NodeIdentity, wire_dtype: int, timeout: float,
+                   sampling: pb.Sampling | None = None) -> None:
         cap = self.cap
         plan = HopPlan(cap.node_id, cap.attestation.signer_public_key, cap.range.start, cap.range.end)
         (signed,) = sign_route(ident, session_id=self.session_id, epoch=1, fingerprint=cap.model_fingerprint,
@@ -68,7 +69,7 @@ class Shadow:
         o = pb.SessionOpen(schema_version=SCHEMA_VERSION, route_session_id=self.session_id, route_epoch=1,
                            model_fingerprint=cap.model_fingerprint, range=cap.range, signed_open=signed,
                            limits=cap.limits, wire_dtype=wire_dtype,  # type: ignore[arg-type]
-                           numerics=cap.numerics, deadline_unix_nanos=codec.deadline_in(timeout))
+                           numerics=cap.numerics, deadline_unix_nanos=codec.deadline_in(timeout), sampling=sampling)
         self.stream = FrameStream(self.endpoint, cap.node_id)
         reply = await self.stream.exchange(pb.SessionFrame(route_session_id=self.session_id, route_epoch=1,
                                                            open=o), timeout)
@@ -77,11 +78,11 @@ class Shadow:
         if not reply.HasField("accepted"):
             raise errors.PeerError("answered an audit open with something else", hop=self.endpoint)
 
-    async def run(self, pos: int, given: Given, timeout: float) -> bytes:
-        """The replica's sealed output digest for one chunk."""
+    async def run(self, pos: int, given: Given, timeout: float, *, sample: bool = False) -> pb.StepSeal:
+        """The replica's seal of one chunk (with ``sample``, a tail's seal names the token it drew)."""
         assert self.stream is not None
         self.step_id += 1
-        step = pb.Step(step_id=self.step_id, cache=pb.CacheExpectation(n_past=pos),
+        step = pb.Step(step_id=self.step_id, cache=pb.CacheExpectation(n_past=pos), sample=sample,
                        deadline_unix_nanos=codec.deadline_in(timeout))
         if isinstance(given, list):
             step.tokens.extend(given)
@@ -96,7 +97,7 @@ class Shadow:
         s = open_seal(reply.result.timings[0].seal, self.cap.node_id)
         if s.pos_start != pos:
             raise errors.PeerError(f"sealed position {s.pos_start} for a chunk at {pos}", hop=self.endpoint)
-        return s.output_sha256
+        return s
 
     async def close(self) -> None:
         if self.stream is not None:
@@ -107,8 +108,11 @@ class Shadow:
 class Auditor:
     """Seals of a route session's steps, and the shadows checking its audited hops."""
 
-    def __init__(self, ident: NodeIdentity, *, every: int, wire_dtype: int, step_timeout: float) -> None:
+    def __init__(self, ident: NodeIdentity, *, every: int, wire_dtype: int, step_timeout: float,
+                 sampling: pb.Sampling | None = None) -> None:
         self.ident, self.every, self.wire_dtype, self.timeout = ident, every, wire_dtype, step_timeout
+        #: the session's sampling: an audited tail's replica draws with the same chain
+        self.sampling = sampling
         #: the latest seal of each hop (node id) for each chunk (first position)
         self.seals: dict[str, dict[int, pb.SignedEnvelope]] = {}
         #: audited hop's node id -> its shadow
@@ -117,8 +121,8 @@ class Auditor:
         self.passed: set[str] = set()
         #: positions [0, checked) of the route verified by every shadow
         self.checked = 0
-        #: signed Evidence of each lie caught
-        self.evidence: list[pb.SignedEnvelope] = []
+        #: each lie caught that a verifier can recompute, with its signed Evidence
+        self.evidence: list[tuple[dict[str, object], pb.SignedEnvelope]] = []
         #: what was caught, for the result: hop, layers, position, replica
         self.caught: list[dict[str, object]] = []
         #: hops (endpoint -> replica endpoint) audited at some point
@@ -159,9 +163,10 @@ class Auditor:
     # -- checks ------------------------------------------------------------------------
 
     async def check(self, peers: Sequence[str], caps: Sequence[pb.Capability], history: Sequence[Sequence[int]],
-                    session_id: str) -> None:
-        """Check every shadowed hop's chunks since its last check. ``MisbehavedError`` at the first
-        wrong one; a replica or a fetch that fails leaves that hop unaudited (logged)."""
+                    session_id: str, n_prompt: int) -> None:
+        """Check every shadowed hop's chunks since its last check (a chunk reaching past the prompt's
+        ``n_prompt`` positions was sampled from). ``MisbehavedError`` at the first wrong one; a replica
+        or a fetch that fails leaves that hop unaudited (logged)."""
         chunks, pos = [], 0
         for c in history:
             chunks.append((pos, list(c)))
@@ -173,7 +178,8 @@ class Auditor:
                 continue
             i = ids.index(node_id)
             try:
-                await self._check_hop(peers, caps, i, sh, [c for c in chunks if c[0] >= sh.checked], session_id)
+                await self._check_hop(peers, caps, i, sh, [c for c in chunks if c[0] >= sh.checked], session_id,
+                                      n_prompt)
             except errors.MisbehavedError:
                 raise
             except errors.MeshnodeError as e:
@@ -184,12 +190,13 @@ class Auditor:
         self.checked = pos
 
     async def _check_hop(self, peers: Sequence[str], caps: Sequence[pb.Capability], i: int, sh: Shadow,
-                         todo: list[tuple[int, list[int]]], session_id: str) -> None:
+                         todo: list[tuple[int, list[int]]], session_id: str, n_prompt: int) -> None:
         if not todo:
             return
         ep, cap = peers[i], caps[i]
+        tail = i == len(caps) - 1
         if sh.stream is None:
-            await sh.open(self.ident, self.wire_dtype, self.timeout)
+            await sh.open(self.ident, self.wire_dtype, self.timeout, self.sampling if tail else None)
         fetched: dict[int, pb.TensorBundle] = {}
         if i > 0:
             fetched = await self._fetch(peers[i - 1], caps[i - 1].node_id, session_id, todo[0][0],
@@ -208,12 +215,21 @@ class Auditor:
             else:
                 given = self._input(peers[i - 1], caps[i - 1], mine, fetched.get(pos), pos, len(toks), cap, sh)
             sh.inputs[pos] = given
-            expected = await sh.run(pos, given, self.timeout)
+            theirs = await sh.run(pos, given, self.timeout, sample=tail and pos + len(toks) >= n_prompt)
+            expected = theirs.output_sha256
+            if expected == mine.output_sha256 and mine.HasField("token") and mine.token != theirs.token:
+                self.caught.append({"hop": ep, "node_id": cap.node_id, "layers": f"{cap.range.start}:{cap.range.end}",
+                                    "position": pos, "step_id": mine.step_id, "replica": sh.endpoint,
+                                    "noticed_at_position": todo[-1][0] + len(todo[-1][1]), "drew": mine.token,
+                                    "replica_drew": theirs.token})
+                raise errors.MisbehavedError(f"drew token {mine.token} at position {pos + len(toks) - 1} where the "
+                                             f"same sampler chain draws {theirs.token} from the same logits", hop=ep,
+                                             pos=pos)
             if expected != mine.output_sha256:
-                self.evidence.append(self._evidence(cap, i, caps, sh, pos, expected))
                 self.caught.append({"hop": ep, "node_id": cap.node_id, "layers": f"{cap.range.start}:{cap.range.end}",
                                     "position": pos, "step_id": mine.step_id, "replica": sh.endpoint,
                                     "noticed_at_position": todo[-1][0] + len(todo[-1][1])})
+                self.evidence.append((self.caught[-1], self._evidence(cap, i, caps, sh, pos, expected)))
                 raise errors.MisbehavedError(
                     f"layers {cap.range.start}:{cap.range.end}: its output for positions {pos}..{pos + len(toks) - 1} "
                     f"differs from replica {sh.endpoint}'s recomputation of the same input", hop=ep, pos=pos)

@@ -41,8 +41,9 @@ def logits_digest(logits: npt.NDArray[np.float32]) -> bytes:
 
 def sign_step(ident: NodeIdentity, cap: pb.Capability, *, session_id: str, epoch: int, step_id: int,
               pos_start: int, n_tokens: int, wire_dtype: int, input_sha256: bytes, output_sha256: bytes,
-              replayed: bool = False) -> pb.SignedEnvelope:
-    s = pb.StepSeal(route_session_id=session_id, route_epoch=epoch, step_id=step_id, hop_node_id=ident.node_id,
+              replayed: bool = False, token: int | None = None) -> pb.SignedEnvelope:
+    s = pb.StepSeal(token=token, route_session_id=session_id, route_epoch=epoch, step_id=step_id,
+                    hop_node_id=ident.node_id,
                     model_fingerprint=cap.model_fingerprint, range=cap.range, pos_start=pos_start,
                     n_tokens=n_tokens, wire_dtype=wire_dtype or pb.DTYPE_F32,  # type: ignore[arg-type]
                     numerics=cap.numerics, input_sha256=input_sha256, output_sha256=output_sha256,

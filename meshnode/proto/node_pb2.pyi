@@ -498,7 +498,8 @@ class RouteOpen(_message.Message):
     audit: _builtins.bool
     """An audit session (docs/security.md, "A hop that lies"): the initiator feeds this hop itself
     (tokens or residual rows) and nothing goes further: a non-tail hop answers each step with its
-    seal instead of forwarding, a tail computes and seals its logits but never samples.
+    seal instead of forwarding; a tail seals its logits and, where a step asks to sample, the token
+    its own chain (made from the open's sampling) draws; it returns no token.
     """
     @_builtins.property
     def range(self) -> Global___LayerRange:
@@ -1609,6 +1610,7 @@ class StepSeal(_message.Message):
     INPUT_SHA256_FIELD_NUMBER: _builtins.int
     OUTPUT_SHA256_FIELD_NUMBER: _builtins.int
     REPLAYED_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     route_session_id: _builtins.str
     """the session"""
     route_epoch: _builtins.int
@@ -1633,6 +1635,8 @@ class StepSeal(_message.Message):
     """of the chunk's last row
     passed on from the hop's replay store, not computed in this step
     """
+    token: _builtins.int
+    """tail, a sampling step: the token its sampler chain drew from these logits"""
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the layers it ran"""
@@ -1657,12 +1661,15 @@ class StepSeal(_message.Message):
         input_sha256: _builtins.bytes = ...,
         output_sha256: _builtins.bytes = ...,
         replayed: _builtins.bool = ...,
+        token: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["numerics", b"numerics", "range", b"range"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_token", b"_token", "numerics", b"numerics", "range", b"range", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hop_node_id", b"hop_node_id", "input_sha256", b"input_sha256", "model_fingerprint", b"model_fingerprint", "n_tokens", b"n_tokens", "numerics", b"numerics", "output_sha256", b"output_sha256", "pos_start", b"pos_start", "range", b"range", "replayed", b"replayed", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "step_id", b"step_id", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_token", b"_token", "hop_node_id", b"hop_node_id", "input_sha256", b"input_sha256", "model_fingerprint", b"model_fingerprint", "n_tokens", b"n_tokens", "numerics", b"numerics", "output_sha256", b"output_sha256", "pos_start", b"pos_start", "range", b"range", "replayed", b"replayed", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "step_id", b"step_id", "token", b"token", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__token: _TypeAlias = _typing.Literal["token"]  # noqa: Y015
+    _WhichOneofArgType__token: _TypeAlias = _typing.Literal["_token", b"_token"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__token) -> _WhichOneofReturnType__token | None: ...
 
 Global___StepSeal: _TypeAlias = StepSeal  # noqa: Y015
 

@@ -111,7 +111,8 @@ MAX_STEP_TIMEOUT_NS = 3600 * 10**9
 #: work ids a session remembers as cancelled
 MAX_CANCELLED_WORK = 256
 #: fault injection for tests only (tests/test_audit.py plants a lying hop): every Nth step this hop
-#: computes, it nudges one value of the residual it sends on by one ulp (and seals what it sent)
+#: computes, it nudges one value of the residual it sends on by one ulp, or as a tail returns the token
+#: after the one its chain drew (and seals what it sent)
 LIE_EVERY = int(os.environ.get("MESHNODE_TEST_LIE_EVERY", "0") or 0)
 
 
@@ -206,7 +207,7 @@ class HopSession:
         else:
             self.slot = self.executor.open_slot()
         assert self.slot is not None
-        if not o.downstream and not self.audit:
+        if cap.range.end == cap.n_layer:  # an audited tail draws too: the initiator compares the tokens
             self.chain = self._rebuild_chain(sampling, o.sampled, o.n_past)
         hops = [cap]
         acceptances = [accept(self.ident, self.route_open)]
@@ -359,15 +360,17 @@ class HopSession:
             self.history[n_past] = residual
             return await self._forward(frame, residual, n_past, timing, left)
         assert out.logits is not None
-        timing.seal.CopyFrom(self._seal(s.step_id, n_past, n, digest_in, logits_digest(out.logits)))
-        result = pb.StepResult(step_id=s.step_id, timings=[timing])
+        tok = None
+        if s.sample and not s.replay:  # a replay rebuilt this hop's KV: its token was drawn before the failover
+            assert self.chain is not None
+            tok = self._maybe_misdraw(self.chain.sample(out.logits))  # llama.cpp's chain; its state moves on
+        timing.seal.CopyFrom(self._seal(s.step_id, n_past, n, digest_in, logits_digest(out.logits), token=tok))
+        result = pb.StepResult(step_id=s.step_id, timings=[timing])  # (a copy of timing: sealed first)
         if s.replay or self.audit:
-            return _ready(result)  # rebuilt this hop's KV (the token was sampled before the failover) or audited
-        if s.sample:
+            return _ready(result)
+        if tok is not None:
             vocab = ex.vocab
             assert vocab is not None
-            assert self.chain is not None
-            tok = self.chain.sample(out.logits)  # llama.cpp's chain; its state moves on (penalties, RNG)
             result.token = tok
             result.piece = vocab.piece(tok)
             result.end_of_generation = vocab.is_eog(tok)
@@ -376,11 +379,11 @@ class HopSession:
         return _ready(result)
 
     def _seal(self, step_id: int, pos: int, n: int, digest_in: bytes, digest_out: bytes, *,
-              replayed: bool = False) -> pb.SignedEnvelope:
+              replayed: bool = False, token: int | None = None) -> pb.SignedEnvelope:
         assert self.open_msg is not None
         return sign_step(self.ident, self.capability, session_id=self.session_id, epoch=self.epoch, step_id=step_id,
                          pos_start=pos, n_tokens=n, wire_dtype=self.open_msg.wire_dtype, input_sha256=digest_in,
-                         output_sha256=digest_out, replayed=replayed)
+                         output_sha256=digest_out, replayed=replayed, token=token)
 
     def _maybe_lie(self, residual: np.ndarray) -> np.ndarray:
         """Tests only (``MESHNODE_TEST_LIE_EVERY``): every Nth computed step, one value one ulp off."""
@@ -389,6 +392,14 @@ class HopSession:
         lied = residual.copy()
         lied[-1, 0] = np.nextafter(lied[-1, 0], np.float32(np.inf))
         return lied
+
+    def _maybe_misdraw(self, token: int) -> int:
+        """Tests only (``MESHNODE_TEST_LIE_EVERY`` at a tail): every Nth computed step, the next token id."""
+        if not LIE_EVERY or self.audit or self.computed % LIE_EVERY:
+            return token
+        vocab = self.executor.vocab
+        assert vocab is not None
+        return (token + 1) % vocab.n_tokens
 
     async def _replay_cached(self, frame: pb.SessionFrame, left: float | None) -> Awaitable[pb.StepResult]:
         """A replay step for positions this hop holds: pass the stored rows on (tail: acknowledge)."""

@@ -385,7 +385,8 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
     rs = RouteSession(peers, caps, cfg, ident)
     ledger = ledger or Ledger(state_dir())
     if ledger.audited([c.node_id for c in caps], cfg.audit, random.Random()):
-        rs.auditor = Auditor(rs.ident, every=cfg.audit.every, wire_dtype=cfg.wire_dtype, step_timeout=cfg.step_timeout)
+        rs.auditor = Auditor(rs.ident, every=cfg.audit.every, wire_dtype=cfg.wire_dtype, step_timeout=cfg.step_timeout,
+                             sampling=sampling_pb(cfg.sampling))
     limit = caps[0].numerics.n_ctx_per_session - len(prompt)
     run = _Run(rs, prompt, cfg, spare_caps, lambda: new_completion(cfg, bos, limit), on_token)
     run.evidence_dir = ledger.path.parent / "evidence" if ledger.path is not None else None
@@ -598,7 +599,7 @@ class _Run:
         rs, a = self.rs, self.rs.auditor
         if a is None or not (final or a.due(rs.n_past)):
             return
-        await a.check(rs.peers, rs.caps, rs.history, rs.id)
+        await a.check(rs.peers, rs.caps, rs.history, rs.id, len(self.prompt))
         self._pass_on(len(self.results) if final or not a.shadows else self._checked_results())
 
     async def _caught(self, e: errors.MisbehavedError) -> None:
@@ -608,7 +609,7 @@ class _Run:
         assert e.hop is not None
         log.error("hop %s lied (%s): rolling back to position %d and re-routing", e.hop, e.message, e.pos)
         self.banned.add(e.hop)
-        for env, what in zip(a.evidence[self.n_reported:], a.caught[self.n_reported:], strict=True):
+        for what, env in a.evidence[self.n_reported:]:
             self._report(env, what)
         self.n_reported = len(a.evidence)
         self._roll_back(e.pos)
