@@ -9,6 +9,7 @@ report, a tracker without the model, garbage and oversized bodies mark nothing, 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -59,7 +60,7 @@ def _register(url: str, ident: NodeIdentity, fp: str, a: int, b: int, port: int)
 @pytest.fixture
 def verifying(tmp_path: Path, model: Path) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
     db = tmp_path / "tracker.sqlite"
-    proc, url = _start(db, "--verify-model", str(model))
+    proc, url = _start(db, "--verify-model", str(model), "--evidence-rate", "600")
     yield proc, url, db
     if proc.poll() is None:
         _stop(proc)
@@ -72,8 +73,15 @@ def _post_raw(url: str, body: bytes) -> int:
             return int(r.status)
     except urllib.error.HTTPError as e:
         return int(e.code)
-    except (ConnectionError, urllib.error.URLError):  # refused by its Content-Length, the rest unsent
-        return 413
+
+
+def _announce(url: str, length: int) -> int:
+    """The status a POST gets for a body of ``length`` bytes announced and not (yet) sent."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"POST /api/evidence HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/x-protobuf\r\n"
+                  f"Content-Length: {length}\r\n\r\n".encode())
+        return int(s.recv(4096).split(b" ", 2)[1])
 
 
 async def test_a_confirmed_lie_marks_the_node_for_good(verifying, run: Run, browser, tmp_path: Path) -> None:  # noqa: F811
@@ -139,6 +147,9 @@ async def test_without_a_model_nothing_is_verified_or_marked(tmp_path: Path, run
                                   timeout=60)
         (node,) = _get(url + "/api/status")["nodes"]
         assert node["misbehaving"] is False
+        # reports per source: a burst of 3 (the one above and two more), then 429 before the body is read
+        assert [_post_raw(url, b"\xff") for _ in range(2)] == [400] * 2
+        assert _post_raw(url, b"\xff") == 429
     finally:
         _stop(proc)
 
@@ -155,7 +166,7 @@ async def test_garbage_forged_and_oversized_evidence_gets_4xx_and_the_tracker_se
     del gap.steps[1]
     with pytest.raises(errors.InputError):  # malformed: checked by the verifier, typed
         await report_evidence(url, sign_evidence(NodeIdentity.generate(), gap), timeout=120)
-    assert _post_raw(url, b"\0" * (MAX_EVIDENCE_BYTES + 1)) == 413
+    assert _announce(url, MAX_EVIDENCE_BYTES + 1) == 413
     assert proc.poll() is None
     assert _get(url + "/healthz") == {"ok": True}
     (node,) = _get(url + "/api/status")["nodes"]

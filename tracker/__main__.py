@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import signal
@@ -58,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-entries", type=int, default=d.max_entries, metavar="N",
                     help=f"nodes listed in all (default {d.max_entries}); a newcomer to a full table takes the place "
                          "of a node the probes never reached")
+    ap.add_argument("--evidence-rate", type=float, default=d.evidence_per_minute, metavar="N",
+                    help=f"reports that a hop lied one source address may post per minute, after a burst of "
+                         f"{d.evidence_burst:g} (default {d.evidence_per_minute:g})")
     ap.add_argument("--verify-model", action="append", default=[], metavar="GGUF",
                     help="a model to verify reports that a hop lied with, by recomputing its range in a child "
                          "process (repeat for several; without one, no report is verified and nobody is marked)")
@@ -75,8 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise errors.InputError("--register-rate, --max-per-source and --max-entries must be positive")
         bounds = Bounds(per_source_per_minute=ns.register_rate, per_source_burst=min(d.per_source_burst,
                         max(1.0, ns.register_rate)), entries_per_source=ns.max_per_source, max_entries=ns.max_entries)
-        if ns.verify_timeout <= 0:
-            raise errors.InputError("--verify-timeout must be positive")
+        if ns.verify_timeout <= 0 or ns.evidence_rate <= 0:
+            raise errors.InputError("--verify-timeout and --evidence-rate must be positive")
+        bounds = dataclasses.replace(bounds, evidence_per_minute=ns.evidence_rate,
+                                     evidence_burst=min(d.evidence_burst, max(1.0, ns.evidence_rate)))
         models = verify_models(ns.verify_model)
     except (errors.InputError, errors.ModelError) as e:
         print(f"meshnode-tracker: error: {e}", file=sys.stderr)
