@@ -176,3 +176,31 @@ async def test_garbage_forged_and_oversized_evidence_gets_4xx_and_the_tracker_se
 def test_the_tracker_does_not_load_llama_cpp() -> None:
     code = "import sys, tracker.__main__, tracker.evidence; assert 'llama_cpp' not in sys.modules, 'llama_cpp'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_a_slow_verdict_is_polled_for(tmp_path: Path, model: Path, run: Run,  # noqa: F811
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verdict not ready within ANSWER_WITHIN is 202 and a poll URL; ``report_evidence`` polls it (in this
+    process: the tracker's app with the wait cut to nothing)."""
+    import trio
+
+    import tracker.evidence
+    from meshnode.httpserve import serve_asgi
+    from tracker.app import Tracker
+    from tracker.registry import Registry
+
+    monkeypatch.setattr(tracker.evidence, "ANSWER_WITHIN", 0.0)
+    registry = Registry(tmp_path / "t.sqlite", ttl=30)
+    verifier = tracker.evidence.Verifier(registry, {run.fp: model}, tmp_path / "evidence")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(verifier.serve)
+            port = await nursery.start(serve_asgi, Tracker(registry, verifier).asgi(), "127.0.0.1", 0)
+            env = sign_evidence(NodeIdentity.generate(), run.evidence(0, 1, lie=True))
+            doc = await report_evidence(f"http://127.0.0.1:{port}", env, timeout=300)
+            assert (doc["verdict"], doc["pos_start"], doc["marked"]) == ("confirmed", 5, True)
+            assert run.idents[0].node_id in registry.marks
+            assert not list((tmp_path / "evidence").iterdir())  # the body's file is gone
+            nursery.cancel_scope.cancel()
+    finally:
+        registry.close()

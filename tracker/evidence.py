@@ -107,12 +107,11 @@ class Verifier:
             job = await self._start(evidence_id, body, model, reporter, ev.accused_node_id)
         with trio.move_on_after(ANSWER_WITHIN):
             await job.done.wait()
-        if not job.done.is_set():
-            return 202, {"verdict": "pending", "id": evidence_id, "poll": f"/api/evidence/{evidence_id}"}
-        return job.status, job.doc
+        return job.status, job.doc  # 202 and the poll URL while it runs
 
     async def _start(self, evidence_id: str, body: bytes, model: Path, reporter: str, accused: str) -> _Job:
-        job = self._jobs[evidence_id] = _Job(doc={"verdict": "pending", "id": evidence_id})
+        job = self._jobs[evidence_id] = _Job(doc={"verdict": "pending", "id": evidence_id,
+                                                  "poll": f"/api/evidence/{evidence_id}"})
         while len(self._jobs) > MAX_VERDICTS:
             self._jobs.popitem(last=False)
         self._waiting += 1

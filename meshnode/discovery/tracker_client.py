@@ -81,9 +81,10 @@ async def report_evidence(url: str, env: pb.SignedEnvelope, timeout: float = 600
         status, body = await request(tracker_url(url, "/api/evidence"), "POST", env.SerializeToString(),
                                      content_type="application/x-protobuf", timeout=min(timeout, 120.0))
         doc = _doc(url, body)
+        poll = tracker_url(url, str(doc.get("poll", "")))
         while status == 202:
             await trio.sleep(POLL_EVERY)
-            status, body = await request(tracker_url(url, str(doc.get("poll", "/api/evidence/"))))
+            status, body = await request(poll)
             doc = _doc(url, body)
         if status in (200, 409):
             return doc
