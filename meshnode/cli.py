@@ -448,6 +448,18 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return run_demo(prompt=ns.prompt, max_tokens=ns.max_tokens)
 
 
+def cmd_verify_evidence(ns: argparse.Namespace) -> int:
+    """Exit 0: the lie is confirmed; 1: refuted; 2: malformed evidence; 3: not verifiable with --model."""
+    from meshnode.audit.verify import render, verify_file
+    from meshnode.executor._bindings import silence_llama_logs
+
+    if not ns.verbose:
+        silence_llama_logs()
+    report = verify_file(Path(ns.file), Path(ns.model))
+    print(json.dumps(report.doc) if ns.json else render(report))
+    return report.exit
+
+
 def _add_route_flags(p: argparse.ArgumentParser) -> None:
     """Where generate and chat run: a route (--peer/--spare), one found (--mesh), or the whole model here."""
     p.add_argument("--peer", action="append", default=[], help="HOST:PORT of a hop, in layer order (repeat)")
@@ -634,6 +646,13 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="cut a request that takes longer with 504 (default 600)")
     api.set_defaults(func=cmd_api)
+
+    ver = sub.add_parser("verify-evidence", help="check a report that a hop lied, by recomputing its range "
+                         "(exit 0: confirmed, 1: refuted, 2: malformed, 3: not verifiable with this model)")
+    ver.add_argument("file", metavar="FILE", help="a serialized SignedEnvelope of an Evidence")
+    ver.add_argument("--model", required=True, metavar="GGUF", help="the model the evidence is about")
+    ver.add_argument("--json", action="store_true", help="print one JSON object")
+    ver.set_defaults(func=cmd_verify_evidence)
 
     demo = sub.add_parser("demo", help="start a two-hop local route on the default model and generate")
     demo.add_argument("--prompt", default="The three primary colors are")

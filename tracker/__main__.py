@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import signal
@@ -21,9 +22,25 @@ from meshnode.httptls import add_tls_flags, base_url, pin_note, tls_of
 from meshnode.paths import state_dir
 from meshnode.transport.server import split_hostport
 from tracker.app import Tracker
+from tracker.evidence import Verifier
 from tracker.limits import Bounds
 from tracker.probe import run_prober
 from tracker.registry import Registry
+
+log = logging.getLogger("meshnode.tracker")
+
+
+def verify_models(paths: Sequence[str]) -> dict[str, Path]:
+    """fingerprint -> GGUF of each --verify-model, each fingerprinted now and logged (ModelError if unusable)."""
+    from meshnode.gguf.model import check_file, fingerprint, inspect_model
+
+    models = {}
+    for p in map(Path, paths):
+        check_file(p)
+        info, fp = inspect_model(p), fingerprint(p)
+        models[fp] = p.resolve()
+        log.info("verifies evidence about %s (%s, %d layers) with %s", fp, info.name, info.n_layer, p)
+    return models
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,6 +59,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-entries", type=int, default=d.max_entries, metavar="N",
                     help=f"nodes listed in all (default {d.max_entries}); a newcomer to a full table takes the place "
                          "of a node the probes never reached")
+    ap.add_argument("--evidence-rate", type=float, default=d.evidence_per_minute, metavar="N",
+                    help=f"reports that a hop lied one source address may post per minute, after a burst of "
+                         f"{d.evidence_burst:g} (default {d.evidence_per_minute:g})")
+    ap.add_argument("--verify-model", action="append", default=[], metavar="GGUF",
+                    help="a model to verify reports that a hop lied with, by recomputing its range in a child "
+                         "process (repeat for several; without one, no report is verified and nobody is marked)")
+    ap.add_argument("--verify-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="seconds one verification may take (default 600); past them it is killed, nothing marked")
     add_tls_flags(ap, "the tracker")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,16 +79,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise errors.InputError("--register-rate, --max-per-source and --max-entries must be positive")
         bounds = Bounds(per_source_per_minute=ns.register_rate, per_source_burst=min(d.per_source_burst,
                         max(1.0, ns.register_rate)), entries_per_source=ns.max_per_source, max_entries=ns.max_entries)
-    except errors.InputError as e:
+        if ns.verify_timeout <= 0 or ns.evidence_rate <= 0:
+            raise errors.InputError("--verify-timeout and --evidence-rate must be positive")
+        bounds = dataclasses.replace(bounds, evidence_per_minute=ns.evidence_rate,
+                                     evidence_burst=min(d.evidence_burst, max(1.0, ns.evidence_rate)))
+        models = verify_models(ns.verify_model)
+    except (errors.InputError, errors.ModelError) as e:
         print(f"meshnode-tracker: error: {e}", file=sys.stderr)
         return 2
     registry = Registry(db, ns.ttl, bounds=bounds)
-    tracker = Tracker(registry)
+    verifier = Verifier(registry, models, db.parent / "evidence", timeout=ns.verify_timeout)
+    tracker = Tracker(registry, verifier)
 
     async def run() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(run_prober, registry)  # tracker/probe.py: liveness and live counters
+                await nursery.start(verifier.serve)  # tracker/evidence.py: reports that a hop lied
                 bound = await nursery.start(functools.partial(serve_asgi, tracker.asgi(), host, port, tls=tls))
                 print(f"meshnode-tracker: status page {base_url(host, bound, tls)}/ listening on {host}:{bound}"
                       f"{pin_note(tls, 'nodes use --tracker', host, bound)}", flush=True)

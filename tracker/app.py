@@ -2,14 +2,17 @@
 
     POST /api/register   body: a SignedEnvelope(Advertisement), application/x-protobuf
     GET  /api/status     models (coverage map per layer) and nodes, as JSON
-    GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model (dead ones left out)
+    GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model (dead ones left out; misbehaving
+                         ones flagged and last)
+    POST /api/evidence   body: a SignedEnvelope(Evidence): a report that a hop lied (tracker/evidence.py)
+    GET  /api/evidence/ID   its verdict (ID: the sha256 of the body)
     GET  /               the status page (auto-refreshing, reads /api/status)
 
 Every registration is verified (signature, signer = node id, attestation,
 freshness, seq strictly newer); a forgery or replay is refused with 403 and
 the error code, and changes nothing; a body over ``MAX_REGISTER_BODY`` is
-refused with 413 before it is read. What one source address may register is
-bounded (tracker/limits.py): over its rate, 429 with ``Retry-After`` before
+refused with 413 before it is read (evidence: over ``MAX_EVIDENCE_BYTES``, 64 MiB). What one source
+address may register is bounded (tracker/limits.py): over its rate, 429 with ``Retry-After`` before
 anything is verified; over its entries, 429; a full table, 503. Every other answer to a malformed request
 (bad framing, a huge head) is hypercorn's (``meshnode/httpserve.py``).
 """
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
@@ -27,10 +32,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from meshnode import errors
+from meshnode.audit.evidence import MAX_EVIDENCE_BYTES
 from meshnode.httpserve import NO_STORE, asgi_app, error_response, json_response, read_body
 from meshnode.identity.advert import verify_advert
 from meshnode.proto import node_pb2 as pb
 from tracker import views
+from tracker.evidence import Verifier
+from tracker.limits import RateTable
 from tracker.page import PAGE
 from tracker.registry import Registry
 
@@ -38,6 +46,8 @@ log = logging.getLogger("meshnode.tracker")
 
 #: bytes a registration may carry (a SignedEnvelope(Advertisement) is a few kB)
 MAX_REGISTER_BODY = 64 * 1024
+#: seconds an evidence body may take to arrive (it may be 64 MiB)
+EVIDENCE_BODY_SECONDS = 120.0
 #: every method reaches ``Tracker.handle``, which answers 404 for what it does not serve
 METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
 
@@ -45,6 +55,17 @@ METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
 @dataclass
 class Tracker:
     registry: Registry
+    #: verifies reports that a hop lied (its models: --verify-model; None: one without models, every report
+    #: is answered 422 and marks nothing)
+    verifier: Verifier | None = None
+    #: evidence per source address (tracker/limits.py)
+    evidence_rates: RateTable = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.verifier is None:
+            self.verifier = Verifier(self.registry, {}, Path(tempfile.gettempdir()))
+        b = self.registry.bounds
+        self.evidence_rates = RateTable(b.evidence_per_minute / 60.0, b.evidence_burst)
 
     def asgi(self) -> ASGIApp:
         """The ASGI app (served by ``meshnode.httpserve.serve_asgi``): every request goes to ``handle``."""
@@ -62,8 +83,16 @@ class Tracker:
                 resp.headers["Retry-After"] = str(math.ceil(wait))
                 return resp
             return self.register(await read_body(req, MAX_REGISTER_BODY), source)
+        if route == ("POST", "/api/evidence"):
+            return await self.evidence(req)
+        if req.method == "GET" and req.url.path.startswith("/api/evidence/"):
+            assert self.verifier is not None
+            status, doc = self.verifier.result(req.url.path.removeprefix("/api/evidence/"))
+            return json_response(doc, status)
         if route == ("GET", "/api/status"):
-            return json_response(views.status(views.current(self.registry, time.time(), full=views.MAX_NODES_SHOWN)))
+            now = time.time()
+            doc = views.status(views.current(self.registry, now, full=views.MAX_NODES_SHOWN))
+            return json_response({**doc, "misbehaving": views.marks(self.registry, now)})
         if route == ("GET", "/api/lookup"):
             query = req.query_params.get("model", "")
             found = views.current(self.registry, time.time(), query, full=views.MAX_LOOKUP)
@@ -73,6 +102,20 @@ class Tracker:
         if route == ("GET", "/healthz"):
             return json_response({"ok": True})
         return error_response(404, "NOT_FOUND", f"no route {req.method} {req.url.path}")
+
+    async def evidence(self, req: Request) -> Response:
+        """A report that a hop lied: rate-limited per source before anything is read, then verified."""
+        source = req.client.host if req.client is not None else ""
+        wait = self.evidence_rates.take(source, time.time())
+        if wait > 0:
+            b = self.registry.bounds
+            resp = error_response(429, "RATE_LIMITED", f"{source} sends more evidence than "
+                                  f"{b.evidence_per_minute:g} a minute; retry in {wait:.1f}s")
+            resp.headers["Retry-After"] = str(math.ceil(wait))
+            return resp
+        assert self.verifier is not None
+        status, doc = await self.verifier.submit(await read_body(req, MAX_EVIDENCE_BYTES, EVIDENCE_BODY_SECONDS))
+        return json_response(doc, status)
 
     def register(self, body: bytes, source: str = "") -> Response:
         now = time.time()

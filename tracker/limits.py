@@ -12,6 +12,8 @@ address) and in total:
 * **entries per source**: live entries registered from one address. A new
   node id beyond it is refused (429); the nodes already listed from that
   address keep heartbeating.
+* **evidence**: reports that a hop lied, per source per minute (a token bucket like
+  registrations'); each may cost the tracker a recomputation (tracker/evidence.py).
 * **entries in all**: the table's size. A new node id that finds it full takes
   the place of the entry that never answered a probe and was seen longest
   ago; entries the tracker reached (a probe answered) are never displaced by
@@ -40,6 +42,9 @@ class Bounds:
     entries_per_source: int = 64
     #: live entries in all
     max_entries: int = 10_000
+    #: evidence one source address may post per minute (each may cost a recomputation), after a burst
+    evidence_per_minute: float = 6.0
+    evidence_burst: float = 3.0
 
 
 @dataclass(frozen=True)

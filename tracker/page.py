@@ -3,7 +3,8 @@
 Layout: fits a 1280 px wide window with every column visible (long node ids
 are cut to 12 hex digits, the full id is the cell's title; hardware and
 liveness wrap). A dead node's row and its coverage cells are marked dead,
-and its layers count as uncovered. Everything a node advertised is escaped.
+and its layers count as uncovered; a node caught lying (a verified report) is marked misbehaving the
+same way, with the position it lied at, and covers nothing either. Everything a node advertised is escaped.
 """
 
 PAGE = r"""<!doctype html>
@@ -38,6 +39,9 @@ PAGE = r"""<!doctype html>
   table.nodes td.num, table.nodes th.num { text-align: right; }
   table.nodes td.wrap { white-space: normal; min-width: 120px; max-width: 220px; overflow-wrap: anywhere; }
   tr.dead td { background: #fbeaea; color: #7a4444; }
+  tr.misbehaving td { background: #f6e3f7; color: #6a2d6e; }
+  .badge.liar { background: #6a2d6e; color: #fff; }
+  td.liar { background: repeating-linear-gradient(-45deg, #e2b6e5, #e2b6e5 3px, #fff 3px, #fff 6px); }
   .ok { color: #2f8f5b; font-weight: 600; } .bad { color: #b3261e; font-weight: 600; }
   .badge { display: inline-block; padding: 0 6px; border-radius: 4px; font-weight: 700; font-size: 12px; }
   .badge.ok { background: #e3f3ea; } .badge.bad { background: #b3261e; color: #fff; }
@@ -70,19 +74,25 @@ function span(k, v, cls) {
 }
 function cut(s, n) { return s.length > n ? s.slice(0, n - 1) + "\u2026" : s; }
 function layers(a, b) { return b - a === 1 ? "layer " + a : "layers " + a + "&ndash;" + (b - 1); }
+function lied(n) {
+  const r = n && n.misbehaving_report;
+  return r ? "lied at position " + r.pos_start + " (layers " + r.range[0] + ":" + r.range[1] + "), reported by " +
+    r.reporter.slice(0, 12) + ", verified " + new Date(r.at_unix * 1000).toLocaleString() : "lied";
+}
 function model(m) {
-  const dead = new Set(m.dead);
+  const dead = new Set(m.dead), liars = new Set(m.misbehaving || []);
   let rows = "<tr><th class='node'>layer</th>";
   for (let i = 0; i < m.n_layer; i++) rows += "<th>" + i + "</th>";
   rows += "</tr>";
   for (const id of m.nodes) {
-    const gone = dead.has(id);
+    const gone = dead.has(id), liar = liars.has(id);
     rows += "<tr><th class='node' title='" + esc(id) + "'>" + esc(id.slice(0, 12)) +
-      (gone ? " <span class='bad'>dead</span>" : "") + "</th>";
+      (gone ? " <span class='bad'>dead</span>" : "") + (liar ? " <span class='bad'>misbehaving</span>" : "") + "</th>";
     const node = nodesById[id];
     for (let i = 0; i < m.n_layer; i++) {
       const serves = node && node.range[0] <= i && i < node.range[1];
-      rows += serves ? (gone ? "<td class='lost' title='dead: " + esc(id) + "'></td>" :
+      rows += serves ? (liar ? "<td class='liar' title='misbehaving: " + esc(id) + "'></td>" :
+                        gone ? "<td class='lost' title='dead: " + esc(id) + "'></td>" :
                                 "<td class='on' title='" + esc(id) + "'></td>") : "<td></td>";
     }
     rows += "</tr>";
@@ -94,19 +104,23 @@ function model(m) {
     "<span class='bad' data-k='coverage'>not covered</span>: " +
     m.gaps.map(g => layers(g[0], g[1])).join(", ") + " served by no live node";
   const alive = m.node_count - m.dead_count;
+  const caught = (m.misbehaving || []).map(id => "<div class='bad' data-k='misbehaving'>misbehaving: <code>" +
+    esc(id.slice(0, 12)) + "</code> " + esc(lied(nodesById[id])) + "; it covers nothing</div>").join("");
   return "<div class='model" + (m.covered ? "" : " lost") + "' data-model='" + esc(m.fingerprint) + "'><b>" +
     esc(m.name) + "</b> <code class='muted'>" + esc(m.fingerprint.slice(0, 16)) + "&hellip;</code> &middot; " +
     plural(m.n_layer, "layer") + " &middot; " + plural(alive, "live node") +
     (m.dead_count ? " (+" + m.dead_count + " dead)" : "") + " &middot; " + state + " &middot; " +
-    "<span data-k='active_sessions'>" + plural(m.active_sessions, "active session") + "</span>" +
+    "<span data-k='active_sessions'>" + plural(m.active_sessions, "active session") + "</span>" + caught +
     "<div class='scroll'><table class='cov'>" + rows + "</table></div></div>";
 }
 function node(n) {
   const dev = n.devices.map(d => d.type).join("+");
   const stepped = n.steps_total > 0;
-  const live = n.alive ? "<span class='badge ok' data-k='liveness'>alive</span>" :
-    "<span class='badge bad' data-k='liveness'>dead</span>";
-  return "<tr data-node='" + esc(n.node_id) + "'" + (n.alive ? "" : " class='dead'") + ">" +
+  const live = (n.alive ? "<span class='badge ok' data-k='liveness'>alive</span>" :
+    "<span class='badge bad' data-k='liveness'>dead</span>") + (n.misbehaving ? " <span class='badge liar' " +
+    "data-k='misbehaving' title='" + esc(lied(n)) + "'>misbehaving</span>" : "");
+  const cls = n.misbehaving ? " class='misbehaving'" : (n.alive ? "" : " class='dead'");
+  return "<tr data-node='" + esc(n.node_id) + "'" + cls + ">" +
     "<td title='" + esc(n.node_id) + "'><code>" + esc(n.node_id.slice(0, 12)) + "</code></td>" +
     "<td title='" + esc(n.endpoints.join(", ")) + "'>" + esc(cut(n.endpoints[0] || "", 28)) + "</td>" +
     "<td>" + n.range[0] + ":" + n.range[1] + " <small>" + esc(n.role) + "</small>" +
@@ -123,6 +137,7 @@ function node(n) {
     "<td class='wrap'>" + esc(n.cpu) + " &middot; " + plural(n.cores, "core") + " &middot; " +
     (n.memory_total_bytes / 2**30).toFixed(1) + " GiB &middot; " + esc(dev) + "</td>" +
     "<td class='wrap'>" + live + " <small data-k='liveness_reason'>" + esc(n.liveness_reason) + "</small><br>" +
+    (n.misbehaving ? "<small class='bad' data-k='lied'>" + esc(lied(n)) + "</small><br>" : "") +
     "<small>counters " + n.counters_age_seconds + " s old (" + esc(n.counters_source) + ")</small></td></tr>";
 }
 let nodesById = {};

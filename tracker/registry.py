@@ -34,7 +34,19 @@ CREATE TABLE IF NOT EXISTS seqs (  -- survives expiry: a replay stays refused
     node_id TEXT PRIMARY KEY,
     seq     INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS misbehaving (  -- node ids caught lying (a recomputation confirmed it): kept for good
+    node_id   TEXT PRIMARY KEY,
+    model     TEXT NOT NULL,     -- the model fingerprint of the evidence
+    range_start INTEGER NOT NULL,
+    range_end INTEGER NOT NULL,
+    pos_start INTEGER NOT NULL,  -- the first chunk whose sealed output the recomputation refuted
+    reporter  TEXT NOT NULL,     -- node id that signed the evidence
+    at        REAL NOT NULL,     -- when the lie was confirmed, tracker clock
+    evidence  TEXT NOT NULL      -- sha256 of the evidence as posted
+);
 """
+#: node ids marked misbehaving at most: every mark costs a recomputation (bounded in rate and one at a time)
+MAX_MARKS = 100_000
 #: columns added since the first schema: (table, column, definition)
 ADDED = (("nodes", "source", "TEXT NOT NULL DEFAULT ''"),  # the address it registered from
          ("seqs", "at", "REAL NOT NULL DEFAULT 0"))        # when that seq was accepted
@@ -100,6 +112,19 @@ def _claim(e: Entry) -> tuple[str, str, str]:
     return cap.model_fingerprint, cap.model_name, cap.model_file
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A node id caught lying: what a confirmed piece of evidence showed."""
+
+    node_id: str
+    model: str
+    range: tuple[int, int]
+    pos_start: int
+    reporter: str
+    at: float
+    evidence: str
+
+
 class Registry:
     def __init__(self, path: Path | str, ttl: float, *, fail_limit: int = FAIL_LIMIT,
                  bounds: Bounds | None = None) -> None:
@@ -124,6 +149,10 @@ class Registry:
             env = pb.SignedEnvelope.FromString(blob)
             ad = pb.Advertisement.FromString(env.payload)
             self._index.put(Entry(nid, env, ad, last, first, source, _first_endpoint(ad)))
+        #: node ids caught lying, never forgotten (tracker/evidence.py marks them)
+        self.marks: dict[str, Mark] = {
+            row[0]: Mark(row[0], row[1], (row[2], row[3]), row[4], row[5], row[6], row[7]) for row in self.db.execute(
+                "SELECT node_id, model, range_start, range_end, pos_start, reporter, at, evidence FROM misbehaving")}
         self._swept = 0.0
 
     def close(self) -> None:
@@ -143,6 +172,19 @@ class Registry:
             unreached = [e for e in idx.entries.values() if not self._reached(e.node_id)]
             victim = min(unreached, key=lambda e: e.last_seen).node_id if unreached else None
         return place(known, source, idx.per_source.get(source, 0), len(idx.entries), victim, self.bounds)
+
+    def mark(self, m: Mark) -> bool:
+        """Mark ``m.node_id`` misbehaving, for good (the first confirmed lie is kept); False: the table is full."""
+        if m.node_id in self.marks:
+            return True
+        if len(self.marks) >= MAX_MARKS:
+            return False
+        with self.db:
+            self.db.execute("INSERT INTO misbehaving(node_id, model, range_start, range_end, pos_start, reporter, at, "
+                            "evidence) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
+                            (m.node_id, m.model, m.range[0], m.range[1], m.pos_start, m.reporter, m.at, m.evidence))
+        self.marks[m.node_id] = m
+        return True
 
     def _reached(self, node_id: str) -> bool:
         s = self.probes.states.get(node_id)

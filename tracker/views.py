@@ -8,7 +8,7 @@ from typing import Any
 from meshnode.routing.assign import coverage as layer_coverage
 from meshnode.routing.assign import model_matches
 from tracker.liveness import FAIL_LIMIT, ProbeState, alive, freshest, judge
-from tracker.registry import Entry, Registry
+from tracker.registry import Entry, Mark, Registry
 
 #: layers a model is shown with at most: n_layer is the node's claim, and the coverage map is a list per layer
 #: (the deepest models known have a few hundred)
@@ -23,8 +23,27 @@ MAX_MODEL_ROWS = 64
 MAX_LOOKUP = 256
 
 
+def mark_view(m: Mark | None, now: float) -> dict[str, Any] | None:
+    """Why a node is marked misbehaving (None: it is not): the lie a recomputation confirmed."""
+    if m is None:
+        return None
+    return {"model": m.model, "range": list(m.range), "pos_start": m.pos_start, "reporter": m.reporter,
+            "at_unix": round(m.at), "seconds_ago": round(max(0.0, now - m.at), 1), "evidence": m.evidence}
+
+
+#: nodes caught lying /api/status lists at most (the latest first; all are kept and flagged on their entries)
+MAX_MARKS_SHOWN = 100
+
+
+def marks(registry: Registry, now: float) -> dict[str, Any]:
+    """Every node id caught lying, registered now or not: the latest MAX_MARKS_SHOWN, and how many in all."""
+    latest = sorted(registry.marks.values(), key=lambda m: m.at, reverse=True)[:MAX_MARKS_SHOWN]
+    return {"count": len(registry.marks), "nodes": [{"node_id": m.node_id, **(mark_view(m, now) or {})}
+                                                    for m in latest]}
+
+
 def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
-              fail_limit: int = FAIL_LIMIT) -> dict[str, Any]:
+              fail_limit: int = FAIL_LIMIT, mark: Mark | None = None) -> dict[str, Any]:
     cap = e.advert.capability
     hw, tput = cap.hardware, cap.throughput
     verdict = judge(probe, e.last_seen, now, ttl, fail_limit)
@@ -69,6 +88,9 @@ def node_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
         "liveness": "alive" if verdict.alive else "dead",
         "liveness_reason": verdict.reason,
         "liveness_by": verdict.by,
+        # caught lying (a report the tracker verified by recomputation): listed, ranked last, covers nothing
+        "misbehaving": mark is not None,
+        "misbehaving_report": mark_view(mark, now),
         "probe": probe_view(probe, now),
         "envelope": base64.b64encode(e.envelope.SerializeToString()).decode(),
     }
@@ -84,7 +106,7 @@ def probe_view(s: ProbeState | None, now: float) -> dict[str, Any] | None:
 
 
 def slim_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
-              fail_limit: int = FAIL_LIMIT) -> dict[str, Any]:
+              fail_limit: int = FAIL_LIMIT, mark: Mark | None = None) -> dict[str, Any]:
     """What ``status``, ``lookup`` and ``rank`` read of a node, cheaply: the part of ``node_view`` a node
     left out of an answer still counts with (its range in the coverage, its sessions, its rank)."""
     cap = e.advert.capability
@@ -93,7 +115,7 @@ def slim_view(e: Entry, now: float, ttl: float, probe: ProbeState | None = None,
             "model_file": cap.model_file, "n_layer": cap.n_layer, "range": [cap.range.start, cap.range.end],
             "alive": alive(probe, e.last_seen, now, ttl, fail_limit),
             "live_sessions": freshest(e.advert.health, e.last_seen, probe).health.live_sessions,
-            "probe": {"last_ok_seconds_ago": 0.0} if reached else None}
+            "probe": {"last_ok_seconds_ago": 0.0} if reached else None, "misbehaving": mark is not None}
 
 
 def current(registry: Registry, now: float, query: str | None = None, full: int | None = None) -> list[dict[str, Any]]:
@@ -108,13 +130,14 @@ def current(registry: Registry, now: float, query: str | None = None, full: int 
     judged = []
     for e in registry.live(now, None if query is None else of_query):
         probe = registry.probes.get(e.node_id, e.endpoint)
+        mark = registry.marks.get(e.node_id)
         # rank's key, without building a view
         key = rank_key(alive(probe, e.last_seen, now, ttl, limit), probe is not None and probe.last_ok is not None,
-                       e.node_id)
-        judged.append((key, e, probe))
+                       e.node_id, mark is not None)
+        judged.append((key, e, probe, mark))
     judged.sort(key=lambda j: j[0])
-    return [node_view(e, now, ttl, probe, limit) if full is None or i < full else slim_view(e, now, ttl, probe, limit)
-            for i, (_, e, probe) in enumerate(judged)]
+    return [node_view(e, now, ttl, probe, limit, mark) if full is None or i < full
+            else slim_view(e, now, ttl, probe, limit, mark) for i, (_, e, probe, mark) in enumerate(judged)]
 
 
 def mean_batch(steps: int, batches: int) -> float:
@@ -126,21 +149,23 @@ def matches(view: dict[str, Any], query: str) -> bool:
     return model_matches(str(view["model"]), str(view["model_name"]), query, str(view.get("model_file", "")))
 
 
-def rank_key(live: bool, reached: bool, node_id: str) -> tuple[bool, bool, str]:
-    """Live nodes first, those the tracker's probes reached before those only heard from; then by id. A flood of
-    fresh keys registers nodes nobody can reach: they are listed after every node that answers."""
-    return (not live, not reached, node_id)
+def rank_key(live: bool, reached: bool, node_id: str, misbehaving: bool = False) -> tuple[bool, bool, bool, str]:
+    """Nodes caught lying last of all; live nodes first, those the tracker's probes reached before those only
+    heard from; then by id. A flood of fresh keys registers nodes nobody can reach: they are listed after every
+    node that answers."""
+    return (misbehaving, not live, not reached, node_id)
 
 
-def rank(v: dict[str, Any]) -> tuple[bool, bool, str]:
+def rank(v: dict[str, Any]) -> tuple[bool, bool, bool, str]:
     """``rank_key`` of a view."""
     probe = v.get("probe")
-    return rank_key(v["alive"], probe is not None and probe["last_ok_seconds_ago"] is not None, v["node_id"])
+    return rank_key(v["alive"], probe is not None and probe["last_ok_seconds_ago"] is not None, v["node_id"],
+                    bool(v.get("misbehaving")))
 
 
 def lookup(views: list[dict[str, Any]], query: str) -> dict[str, Any]:
     """The answer to /api/lookup: the *live* nodes of one model (nodes build routes from it), reached ones first,
-    at most MAX_LOOKUP."""
+    misbehaving ones (flagged ``misbehaving``) last, at most MAX_LOOKUP."""
     found = sorted((v for v in views if v["alive"] and matches(v, query)), key=rank)
     return {"model": query, "nodes": found[:MAX_LOOKUP], "omitted": max(0, len(found) - MAX_LOOKUP)}
 
@@ -175,27 +200,33 @@ def route_sessions(nodes: list[dict[str, Any]], n_layer: int) -> int:
 
 
 def status(views: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per model: which live node serves each layer; dead nodes are listed but cover nothing. Live nodes
+    """Per model: which live node serves each layer; dead and misbehaving nodes are listed but cover nothing.
+    Live nodes
     first (``rank``); at most MAX_NODES_SHOWN nodes and MAX_MODELS_SHOWN models, the rest counted."""
     views = sorted(views, key=rank)
     models: dict[str, dict[str, Any]] = {}
     alive: dict[str, list[dict[str, Any]]] = {}
-    first: dict[str, tuple[bool, bool, str]] = {}
+    first: dict[str, tuple[bool, bool, bool, str]] = {}
     for v in views:
         m = models.setdefault(v["model"], {"fingerprint": v["model"], "name": v["model_name"],
-                                           "n_layer": min(v["n_layer"], MAX_LAYERS), "nodes": [], "dead": []})
+                                           "n_layer": min(v["n_layer"], MAX_LAYERS), "nodes": [], "dead": [],
+                                           "misbehaving": []})
         first.setdefault(v["model"], rank(v))
         m["nodes"].append(v["node_id"])
-        if v["alive"]:
+        if v.get("misbehaving"):  # caught lying: serves nothing anyone should route through
+            m["misbehaving"].append(v["node_id"])
+        elif v["alive"]:
             alive.setdefault(v["model"], []).append(v)
-        else:
+        if not v["alive"]:
             m["dead"].append(v["node_id"])
-    shown = sorted(models.values(), key=lambda m: (first[m["fingerprint"]][:2], m["name"]))[:MAX_MODELS_SHOWN]
+    shown = sorted(models.values(), key=lambda m: (first[m["fingerprint"]][:3], m["name"]))[:MAX_MODELS_SHOWN]
     for m in shown:
         m["node_count"], m["dead_count"] = len(m["nodes"]), len(m["dead"])
+        m["misbehaving_count"] = len(m["misbehaving"])
         m["nodes"] = m["nodes"][:MAX_MODEL_ROWS]
         rows = set(m["nodes"])
         m["dead"] = [nid for nid in m["dead"] if nid in rows]
+        m["misbehaving"] = [nid for nid in m["misbehaving"] if nid in rows]
         mine = alive.get(m["fingerprint"], [])
         cov = coverage(mine, m["n_layer"])
         m["replicas"] = [len(layer) for layer in cov]  # live nodes serving each layer

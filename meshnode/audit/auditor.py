@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError
 
 from meshnode import errors
+from meshnode.audit.evidence import sign_evidence
 from meshnode.audit.seals import open_seal, rows_digest, tokens_digest
 from meshnode.identity import NodeIdentity
-from meshnode.identity.attest import seal
 from meshnode.identity.routeauth import HopPlan, sign_control, sign_route
 from meshnode.proto import node_pb2 as pb
 from meshnode.transport.client import outputs
@@ -39,7 +39,6 @@ from meshnode.wire.tensors import decode_bundle, encode_bundle
 
 log = logging.getLogger("meshnode.audit")
 
-EVIDENCE_TYPE = "meshnode.v1.Evidence"
 #: the largest residual a fetched chunk may carry (bytes): the Outputs message bound
 MAX_FETCH_BYTES = 64 << 20
 
@@ -295,7 +294,7 @@ class Auditor:
             else:
                 st.activation.CopyFrom(given)
                 st.sender_seal.CopyFrom(self.seals[prev][q])
-        return seal(self.ident, EVIDENCE_TYPE, ev.SerializeToString())
+        return sign_evidence(self.ident, ev)
 
     # -- after a lie -------------------------------------------------------------------
 

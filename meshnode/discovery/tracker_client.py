@@ -4,7 +4,9 @@
 fresh one (new ``seq``, new time) every ``interval`` seconds; on cancellation
 it sends a last one marked ``leaving`` (bounded, shielded) so the tracker
 drops the node at once. ``lookup`` verifies every advertisement the tracker
-returns itself — signature, attestation, freshness — before using it.
+returns itself — signature, attestation, freshness — before using it, and
+leaves out nodes the tracker found lying (``misbehaving``). ``report_evidence``
+sends the tracker a signed report that a hop lied (meshnode/audit/evidence.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import time
 import urllib.parse
 from collections.abc import Callable
+from typing import Any
 
 import trio
 from google.protobuf.message import DecodeError
@@ -64,6 +67,42 @@ async def run_heartbeat(url: str, ident: NodeIdentity, capability: Callable[[], 
                 log.warning("could not deregister from %s: %s", url, e)
 
 
+#: seconds between polls of a verdict the tracker is still working on
+POLL_EVERY = 1.0
+
+
+async def report_evidence(url: str, env: pb.SignedEnvelope, timeout: float = 600.0) -> dict[str, Any]:
+    """Send the tracker a signed Evidence (``meshnode.audit.evidence.sign_evidence``) and wait up to ``timeout``
+    seconds for its verdict: the tracker's JSON, ``verdict`` "confirmed" (the node is marked misbehaving) or
+    "refuted" (the hop computed what it sealed). Typed errors otherwise: the tracker's code for malformed
+    evidence (400), ``MODEL_NOT_FOUND`` when it has no model to verify with (422: nothing is marked),
+    ``RATE_LIMITED``/``RESOURCE_EXHAUSTED`` (429), ``DeadlineError`` when no verdict came in time."""
+    with trio.move_on_after(timeout) as scope:
+        status, body = await request(tracker_url(url, "/api/evidence"), "POST", env.SerializeToString(),
+                                     content_type="application/x-protobuf", timeout=min(timeout, 120.0))
+        doc = _doc(url, body)
+        poll = tracker_url(url, str(doc.get("poll", "")))
+        while status == 202:
+            await trio.sleep(POLL_EVERY)
+            status, body = await request(poll)
+            doc = _doc(url, body)
+        if status in (200, 409):
+            return doc
+        raise errors.from_code(str(doc.get("error", "INTERNAL")), f"tracker: {doc.get('message')}", hop=url)
+    assert scope.cancelled_caught
+    raise errors.DeadlineError(f"the tracker gave no verdict on the evidence within {timeout:g}s", hop=url)
+
+
+def _doc(url: str, body: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        raise errors.PeerError(f"the tracker's answer is not meshnode's JSON: {e!r}", hop=url) from None
+    return doc
+
+
 async def tracker_models(url: str) -> list[tuple[str, str]]:
     """(fingerprint, name) of each model the tracker's status lists (for a "models seen" message)."""
     status, body = await request(tracker_url(url, "/api/status"))
@@ -105,6 +144,12 @@ def _verified(url: str, nodes: list[object]) -> list[PeerEntry]:
     for node in nodes:
         if isinstance(node, dict) and node.get("alive") is False:
             continue  # the tracker saw it die (its probe), whatever its last advertisement says
+        if isinstance(node, dict) and node.get("misbehaving") is True:
+            # the tracker verified a report that it lied: never routed through (a tracker could hide a node
+            # this way, as it can by leaving it out; it cannot make anyone route through one)
+            log.warning("leaving out node %s: the tracker %s marked it misbehaving (%s)", node.get("node_id"), url,
+                        node.get("misbehaving_report"))
+            continue
         try:
             env = pb.SignedEnvelope.FromString(base64.b64decode(node["envelope"], validate=True))  # type: ignore[index]
             ad = verify_advert(env, now=now, last_seq=None)

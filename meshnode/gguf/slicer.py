@@ -305,9 +305,10 @@ def tensor_table(path: Path) -> dict[str, dict[str, Any]]:
         }
 
 
-def artifact_dir(fp: str, start: int, end: int) -> Path:
-    """Where [start, end) of the source with fingerprint ``fp`` is cut, by this slicer version."""
-    return cache_dir() / "ranges" / fp[:32] / f"{start}-{end}.s{SLICER_VERSION}"
+def artifact_dir(fp: str, start: int, end: int, root: Path | None = None) -> Path:
+    """Where [start, end) of the source with fingerprint ``fp`` is cut, by this slicer version (under
+    ``root`` instead of the cache, for a cut that is thrown away after use)."""
+    return (root or cache_dir()) / "ranges" / fp[:32] / f"{start}-{end}.s{SLICER_VERSION}"
 
 
 def _load(dir_: Path, source: Path) -> RangeArtifact | None:
@@ -351,32 +352,34 @@ def whole_model(source: Path) -> RangeArtifact:
     return RangeArtifact(source.parent, source, None, manifest)
 
 
-def ensure_range(source: Path, start: int, end: int, progress: Progress | None = None) -> RangeArtifact:
+def ensure_range(source: Path, start: int, end: int, progress: Progress | None = None, *,
+                 root: Path | None = None) -> RangeArtifact:
     """The artifact of [start, end) of ``source``, cut now unless already cut.
 
     A cached artifact is found without parsing the source (its fingerprint is
     memoised by path, size and mtime, so a changed file is cut anew).
-    ``progress(what, done, total)`` is told how the cut goes.
+    ``progress(what, done, total)`` is told how the cut goes. ``root``: cut under this directory,
+    not the cache (meshnode/audit/recompute.py: a range a stranger's evidence names is not kept).
     """
     check_file(source)
     done = cached_range(source, start, end)
     if done is not None:
         return done
-    return _cut(source, start, end, progress or _quiet)
+    return _cut(source, start, end, progress or _quiet, root)
 
 
 def _quiet(what: str, done: int, total: int) -> None:
     pass
 
 
-def _cut(source: Path, start: int, end: int, progress: Progress) -> RangeArtifact:
+def _cut(source: Path, start: int, end: int, progress: Progress, root: Path | None = None) -> RangeArtifact:
     progress("reading metadata", 0, 1)
     meta = read_meta(source, full=True)
     info = inspect_model(source)
     check_cut(meta.fields, info.arch, info.n_layer, start, end)
     progress("fingerprinting the source", 0, 1)
     fp = fingerprint(source)
-    dir_ = artifact_dir(fp, start, end)
+    dir_ = artifact_dir(fp, start, end, root)
     role = role_of(start, end, info.n_layer)
     dir_.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dir_.name}.", dir=dir_.parent))

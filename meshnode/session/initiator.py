@@ -35,9 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from meshnode import atomicfile, errors
+from meshnode import errors
 from meshnode.audit.auditor import Auditor
+from meshnode.audit.evidence import write_evidence
 from meshnode.audit.policy import DEFAULT_AUDIT, AuditPolicy, Ledger
+from meshnode.discovery.tracker_client import report_evidence
 from meshnode.executor.context import check_fits
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import check_attested
@@ -68,8 +70,6 @@ REPORT_TIMEOUT = 120.0
 
 async def _report_to(url: str, env: pb.SignedEnvelope) -> None:
     try:
-        from meshnode.discovery.tracker_client import report_evidence
-
         verdict = await report_evidence(url, env, REPORT_TIMEOUT)
         log.error("tracker %s on the evidence: %s", url, verdict)
     except Exception as e:  # a report is best effort: the evidence is kept in the state dir
@@ -647,11 +647,11 @@ class _Run:
             if where is None or path is None:
                 raise OSError("this initiator keeps no state")
             where.mkdir(parents=True, exist_ok=True)
-            atomicfile.write(path, env.SerializeToString(), 0o600)
+            write_evidence(path, env)
             what["evidence"] = str(path)
             log.error("evidence of the lie kept in %s (check it: meshnode verify-evidence %s --model GGUF)", path,
                       path)
-        except OSError as e:
+        except (OSError, errors.MeshnodeError) as e:
             log.warning("could not keep the evidence in %s: %s", path, e)
         for url in self.cfg.report_to:
             self.reports.append(asyncio.ensure_future(_report_to(url, env)))
