@@ -13,20 +13,25 @@ import random
 import sys
 import time
 
+import pytest
 import trio
 
 from meshnode.audit.policy import AuditPolicy, Ledger
+from meshnode.discovery.tracker_client import lookup
 from meshnode.proto import node_pb2 as pb
-from tests.conftest import PROMPT, initiator, llama_reference
+from tests.conftest import PROMPT, aio, initiator, llama_reference
+from tests.test_tracker import _get, _stop
+from tests.test_tracker_evidence import _start as _start_tracker_with
 
 N_TOKENS = 120
 LIE_EVERY = 50
 EVERY = AuditPolicy().every  # the default
 
 
-async def _start(node_factory, layers: str, *, lie: bool = False):
+async def _start(node_factory, layers: str, *, lie: bool = False, tracker: str | None = None):
     prefix = ("env", f"MESHNODE_TEST_LIE_EVERY={LIE_EVERY}") if lie else ()
-    return await trio.to_thread.run_sync(lambda: node_factory(layers, prefix=prefix))
+    extra = ("--tracker", tracker) if tracker else ()
+    return await trio.to_thread.run_sync(lambda: node_factory(layers, prefix=prefix, extra=extra))
 
 
 async def _generate(cmd: list[str]) -> tuple[list[dict], str]:
@@ -37,15 +42,23 @@ async def _generate(cmd: list[str]) -> tuple[list[dict], str]:
     return lines, run.text()
 
 
-async def test_a_hop_that_lies_by_one_ulp_is_caught_rolled_back_and_routed_around(model, node_factory):
+@pytest.fixture
+def verifying_tracker(tmp_path, model):
+    """A tracker that recomputes evidence with the model (``--verify-model``)."""
+    proc, url = _start_tracker_with(tmp_path / "tracker.sqlite", "--verify-model", str(model))
+    yield url
+    _stop(proc)
+
+
+async def test_a_hop_that_lies_by_one_ulp_is_caught_rolled_back_and_routed_around(model, node_factory,
+                                                                                 verifying_tracker):
+    url = verifying_tracker
     reference = await trio.to_thread.run_sync(lambda: llama_reference(model, PROMPT, N_TOKENS))
-    head = await _start(node_factory, "0:10")
-    liar = await _start(node_factory, "10:20", lie=True)
-    tail = await _start(node_factory, "20:30")
-    replica = await _start(node_factory, "10:20")
+    head, liar, tail, replica = [await _start(node_factory, layers, lie=lie, tracker=url) for layers, lie in
+                                 (("0:10", False), ("10:20", True), ("20:30", False), ("10:20", False))]
     cmd = [sys.executable, "-m", "meshnode", "generate", "--peer", head.endpoint, "--peer", liar.endpoint,
            "--peer", tail.endpoint, "--spare", replica.endpoint, "--prompt", PROMPT,
-           "--max-tokens", str(N_TOKENS), "--stream", "--json"]
+           "--max-tokens", str(N_TOKENS), "--stream", "--json", "--tracker", url]
     lines, err = await _generate(cmd)
     *streamed, result = lines
     assert result["tokens"] == reference.tokens, err  # the text equals the honest run's
@@ -72,6 +85,20 @@ async def test_a_hop_that_lies_by_one_ulp_is_caught_rolled_back_and_routed_aroun
     assert ev.wrong_pos_start == lie_at
     assert [s.activation.pos_start for s in ev.steps][-1] == lie_at
     assert all(s.HasField("sender_seal") for s in ev.steps)  # each input as its sender (the head) sealed it
+    # anyone with the model can check it
+    check = await trio.run_process([sys.executable, "-m", "meshnode", "verify-evidence", caught["evidence"],
+                                    "--model", str(model), "--json"], capture_stdout=True, check=False)
+    assert check.returncode == 0, check.stdout  # the lie confirmed
+    assert json.loads(check.stdout)["pos_start"] == lie_at
+    # the tracker recomputed the evidence with its own copy of the model and marked the liar, for good
+    status = _get(url + "/api/status")
+    by_id = {n["node_id"]: n for n in status["nodes"]}
+    assert by_id[caught["node_id"]]["misbehaving"] is True, err
+    assert by_id[caught["node_id"]]["misbehaving_report"]["pos_start"] == lie_at
+    assert [n for n in by_id.values() if n["misbehaving"]] == [by_id[caught["node_id"]]]
+    found = await lookup(url, ev.model_fingerprint[:12])
+    assert caught["node_id"] not in {p.node_id for p in found}  # clients route around it
+    assert len(found) == 3
 
 
 async def test_an_honest_route_is_audited_on_probation_and_then_at_the_rate(model, node_factory, tmp_path):
@@ -169,8 +196,6 @@ async def _hostile_outputs_and_audit_opens(head: str, tail: str) -> dict[str, ob
 
 
 async def test_outputs_go_to_the_initiator_only_and_audit_sessions_forward_nothing(route2):
-    from tests.conftest import aio
-
     head, tail = (n.endpoint for n in route2)
     out = await aio(_hostile_outputs_and_audit_opens, head, tail)
     assert out["mine"] == [(0, [4, 576]), (4, [1, 576])]  # the head's residuals per chunk, as sent on

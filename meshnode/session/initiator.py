@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import trio
 
 from meshnode import errors
 from meshnode.audit.auditor import Auditor
@@ -69,8 +70,8 @@ REPORT_TIMEOUT = 120.0
 
 
 async def _report_to(url: str, env: pb.SignedEnvelope) -> None:
-    try:
-        verdict = await report_evidence(url, env, REPORT_TIMEOUT)
+    try:  # the tracker client is trio's (httpx under trio): a thread of its own, off the data path
+        verdict = await asyncio.to_thread(trio.run, report_evidence, url, env, REPORT_TIMEOUT)
         log.error("tracker %s on the evidence: %s", url, verdict)
     except Exception as e:  # a report is best effort: the evidence is kept in the state dir
         log.warning("could not report the evidence to %s: %s", url, e)
