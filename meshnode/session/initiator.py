@@ -404,8 +404,7 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
         await rs.close()
         raise
     finally:
-        if rs.auditor is not None:
-            await asyncio.shield(rs.auditor.close())
+        await asyncio.shield(run.close())
         await run.reported()
 
 
@@ -483,6 +482,8 @@ class _Run:
         self.n_reported = 0
         #: where caught lies' evidence is kept (None: only reported)
         self.evidence_dir: Path | None = None
+        #: the audit check running beside the generation
+        self.checking: asyncio.Task[None] | None = None
         #: every peer of the model seen so far, on the route or not (the spares are derived from it)
         self.known: dict[str, pb.Capability] = {**spares, **dict(zip(rs.peers, rs.caps, strict=True))}
         chunk = rs.limits.max_prefill_chunk_tokens or len(prompt)
@@ -513,11 +514,15 @@ class _Run:
             except errors.MisbehavedError as e:
                 if e.hop not in rs.peers or len(self.failovers) >= MAX_FAILOVERS:
                     raise
+                await self._stop_checking()
                 await self._caught(e)
             except errors.MeshnodeError as e:
                 if not can_fail_over(e, rs.peers) or len(self.failovers) >= MAX_FAILOVERS:
                     raise
+                await self._stop_checking()
                 await self._fail_over(e)
+                if rs.auditor is not None:  # the new hop is audited too, from position 0
+                    rs.auditor.watch(rs.peers, rs.caps, self.known, frozenset(self.banned))
         decode = time.perf_counter() - t1
         await rs.release()
         if self.on_token is not None and (rest := self.completion.release()):
@@ -596,12 +601,34 @@ class _Run:
                 self.on_token(token, text)
 
     async def _verify(self, *, final: bool = False) -> None:
-        """A check when one is due (every ``audit.every`` steps), and always at the end."""
+        """Start a check when one is due (every ``audit.every`` steps): it runs beside the generation
+        (the replicas compute while the route does), and is waited for once it is done, when the
+        generation is two checks ahead of it, and at the end, where a last check covers every step."""
         rs, a = self.rs, self.rs.auditor
-        if a is None or not (final or a.due(rs.n_past)):
+        if a is None:
             return
-        await a.check(rs.peers, rs.caps, rs.history, rs.id, len(self.prompt))
+        if self.checking is not None and (final or self.checking.done() or rs.n_past - a.checked >= 2 * a.every):
+            task, self.checking = self.checking, None
+            await task  # MisbehavedError: a lie, caught
+        if self.checking is None and (final or a.due(rs.n_past)):
+            check = a.check(list(rs.peers), list(rs.caps), [list(c) for c in rs.history], rs.id, len(self.prompt))
+            if final:
+                await check
+            else:
+                self.checking = asyncio.ensure_future(check)
         self._pass_on(len(self.results) if final or not a.shadows else self._checked_results())
+
+    async def _stop_checking(self) -> None:
+        """The route changes under a check in flight: stop it; its shadows start over (a shadow stopped
+        mid-step cannot go on), watching the new route."""
+        a = self.rs.auditor
+        if self.checking is not None:
+            task, self.checking = self.checking, None
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        if a is not None:
+            await a.close()
 
     async def _caught(self, e: errors.MisbehavedError) -> None:
         """A hop lied: keep the evidence, go back to the lie, fail over away from the liar for good."""
@@ -610,6 +637,8 @@ class _Run:
         assert e.hop is not None
         log.error("hop %s lied (%s): rolling back to position %d and re-routing", e.hop, e.message, e.pos)
         self.banned.add(e.hop)
+        if a.caught and a.caught[-1]["hop"] == e.hop:
+            a.caught[-1]["route_at_position"] = rs.n_past  # how far the generation had gone meanwhile
         for what, env in a.evidence[self.n_reported:]:
             self._report(env, what)
         self.n_reported = len(a.evidence)
@@ -617,6 +646,10 @@ class _Run:
         await a.roll_back(rs.n_past)
         await self._fail_over(e)
         a.watch(rs.peers, rs.caps, self.known, frozenset(self.banned))
+
+    async def close(self) -> None:
+        """Stop a check still running (the generation failed or was stopped)."""
+        await self._stop_checking()
 
     def _roll_back(self, pos: int) -> None:
         """Forget every position from the chunk at ``pos`` on and the tokens sampled from them; the
