@@ -18,6 +18,7 @@ from position 0 through the wrong chunk, which anyone with the model can recompu
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -112,6 +113,7 @@ class Auditor:
         self.ident, self.every, self.wire_dtype, self.timeout = ident, every, wire_dtype, step_timeout
         #: the session's sampling: an audited tail's replica draws with the same chain
         self.sampling = sampling
+        self.rng = random.Random()
         #: the latest seal of each hop (node id) for each chunk (first position)
         self.seals: dict[str, dict[int, pb.SignedEnvelope]] = {}
         #: audited hop's node id -> its shadow
@@ -143,8 +145,9 @@ class Auditor:
                 log.info("no replica of layers %d:%d is known: hop %s is not audited", cap.range.start,
                          cap.range.end, ep)
                 continue
-            self.shadows[cap.node_id] = Shadow(cap.node_id, replicas[0], known[replicas[0]])
-            self.audited[ep] = replicas[0]
+            pick = self.rng.choice(replicas)  # not the lowest address: a node could place itself there
+            self.shadows[cap.node_id] = Shadow(cap.node_id, pick, known[pick])
+            self.audited[ep] = pick
 
     def record(self, result: pb.StepResult) -> None:
         """Keep the seals a step's result carries (verified when a check uses them)."""
