@@ -87,6 +87,7 @@ MAX_WINDOW = 1 << 16
 #: examples per property (MESHNODE_FUZZ_EXAMPLES overrides them all)
 TAIL_EXAMPLES, HEAD_EXAMPLES, OPEN_EXAMPLES = 160, 120, 150
 RAW_EXAMPLES, RAW_SESSION_EXAMPLES, BUG_EXAMPLES, CODEC_EXAMPLES = 250, 150, 30, 1500
+OUTPUTS_EXAMPLES = 120
 _EXAMPLES = os.environ.get("MESHNODE_FUZZ_EXAMPLES")
 _SEED = os.environ.get("MESHNODE_FUZZ_SEED")
 
@@ -1389,6 +1390,70 @@ async def test_fuzz_raw_bytes_inside_a_session(node_factory):
     """Random bytes and broken encodings of steps, credits and cancels on an open session."""
     fz = await run_live(node_factory, lambda fz: fuzz_raw(fz, RAW_SESSION_EXAMPLES, in_session=True))
     assert fz.sent >= 2 * examples(RAW_SESSION_EXAMPLES)  # open, garbage: at least
+
+
+# -- Outputs: a hop's stored residuals, for the session's initiator only --------------------------
+
+OUTPUTS_FAULTS = ["own", "stranger", "other_action", "other_session", "stale", "garbage_auth", "unknown_session"]
+#: what each request must get: None = served; else the grpc status it is refused with
+_DENIED, _NOT_FOUND = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND
+OUTPUTS_REFUSAL = {"own": None, "stranger": _NOT_FOUND, "unknown_session": _NOT_FOUND, "other_action": _DENIED,
+                   "other_session": _DENIED, "stale": _DENIED, "garbage_auth": _DENIED}
+
+
+async def _outputs(s: Session, kind: str, start: int, end: int, junk: bytes, sid: str) -> None:
+    now = int(time.time())
+    order = {
+        "own": lambda: sign_control(s.ident, s.sid, "outputs", now=now),
+        "stranger": lambda: sign_control(NodeIdentity.generate(), s.sid, "outputs", now=now),
+        "other_action": lambda: sign_control(s.ident, s.sid, "release", now=now),
+        "other_session": lambda: sign_control(s.ident, str(uuid.uuid4()), "outputs", now=now),
+        "stale": lambda: sign_control(s.ident, s.sid, "outputs", now=now - 3 * CLOCK_SKEW),
+        "garbage_auth": lambda: pb.SignedEnvelope(payload_type=junk[:20].decode("latin-1"), payload=junk,
+                                                  signer_public_key=junk[:32], signature=junk[-64:]),
+        "unknown_session": lambda: sign_control(s.ident, sid, "outputs", now=now),
+    }[kind]()
+    s.fz.counted()
+    req = pb.OutputsRequest(route_session_id=sid if kind == "unknown_session" else s.sid, pos_start=start,
+                            pos_end=end, auth=order)
+    try:
+        reply = await s.target.stub.Outputs(req, timeout=10)
+    except grpc.aio.AioRpcError as e:
+        refused: grpc.aio.AioRpcError | None = e
+    else:
+        refused = None
+    if refused is not None:
+        assert OUTPUTS_REFUSAL[kind] == refused.code(), f"{kind}: {refused.code().name} {refused.details()}"
+        return
+    assert OUTPUTS_REFUSAL[kind] is None, f"{kind}: served {len(reply.chunks)} chunks"
+    for b in reply.chunks:  # what the hop sent on, within the range asked for
+        assert b.pos_start >= start
+        assert not end or b.pos_start + b.shape[0] <= end
+
+
+def fuzz_outputs(fz: Fuzz, max_examples: int) -> None:
+    @fuzz(max_examples)
+    @given(st.data())
+    def prop(data: st.DataObject) -> None:
+        target = data.draw(st.sampled_from([fz.head, fz.tail]), label="target")
+        with fz.sessions() as sessions:
+            s = sessions.open(target, target.cap.limits)
+            for _ in range(data.draw(st.integers(0, 2), label="steps first")):
+                fz.call(s.play, [valid_step(data, s)])
+            bound = st.integers(0, 2**32 - 1) | st.integers(0, 8)
+            fz.call(_outputs, s, data.draw(st.sampled_from(OUTPUTS_FAULTS), label="fault"),
+                    data.draw(bound, label="start"), data.draw(bound, label="end"),
+                    data.draw(st.binary(min_size=1, max_size=120), label="junk"),
+                    data.draw(st.text(max_size=40), label="sid"))
+
+    prop()
+
+
+async def test_fuzz_outputs_requests(node_factory):
+    """Outputs with the initiator's own order (served, within the range asked), a stranger's, another
+    action's, another session's, a stale one, garbage envelopes, unknown sessions; random ranges."""
+    fz = await run_live(node_factory, lambda fz: fuzz_outputs(fz, OUTPUTS_EXAMPLES))
+    assert fz.sent >= examples(OUTPUTS_EXAMPLES)
 
 
 # -- properties the fuzz found broken, kept as regressions -------------------------------------
