@@ -15,6 +15,10 @@ Sections (``--only`` picks some), each printing both sides' figures, thread coun
 * **tls** -- what TLS costs: the pinned route's single-session decode through ``meshnode generate`` with
   TLS (the default) and with ``--insecure`` (nodes and client), the two routes measured in turn,
   ``--runs`` rounds. Target: with TLS >= 0.97 x without.
+* **audit** -- what auditing costs (docs/security.md, "A hop that lies"): the pinned route with a replica of
+  each hop (the head's replica on the tail's core and the other way round: a 2-core machine has no cores
+  of their own for them), decode through ``meshnode generate`` in audited sessions (``--audit-rate 1``)
+  and unaudited ones (``--audit-probation 0 --audit-rate 0``), in turn. No target: the figures are reported.
 * **link** -- nodes on hosts of their own (network namespaces, bench/link_bench.py): link bytes per
   decoded token and decode tok/s with the tail's link free and limited by ``tc tbf``, f32 and f16 on
   the wire, beside what a serial model of compute plus bytes predicts. Needs root.
@@ -40,7 +44,7 @@ from typing import Any
 
 from bench import paths
 
-SECTIONS = ("one-machine", "pinned", "batched", "tls", "link", "tracker", "memory")
+SECTIONS = ("one-machine", "pinned", "batched", "tls", "audit", "link", "tracker", "memory")
 #: copies of route_bench's paragraph in the prefill prompt: 2,055 tokens, just over 2,048
 PREFILL_REPEAT = 26
 
@@ -199,6 +203,28 @@ def tls(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     return {"tls_tps": secure, "insecure_tps": plain, "load": load()}
 
 
+def audit(model: Path, runs: int, rep: Report) -> dict[str, Any]:
+    from meshnode.launch import local_route
+
+    print(f"\n== audit: the pinned route, audited and not, in turn (load average {load()})", flush=True)
+    extra = ["--ctx-size", "2560", "--max-sessions", "8"]
+    on, off = [], []
+    with (local_route(model, ["0:15", "15:30"], extra=extra, cpus=[[0], [1]]) as nodes,
+          local_route(model, ["0:15", "15:30"], extra=extra, cpus=[[1], [0]]) as replicas):
+        peers = [n.endpoint for n in nodes]
+        spares = [a for r in replicas for a in ("--spare", r.endpoint)]
+        for _ in range(runs):  # interleaved: the host's drift hits both alike
+            on += paths.cli_decode(peers, 1, cpus=[0], extra=[*spares, "--audit-rate", "1"])["runs"]
+            off += paths.cli_decode(peers, 1, cpus=[0], extra=[*spares, "--audit-probation", "0",
+                                                               "--audit-rate", "0"])["runs"]
+    a, u = statistics.median(on), statistics.median(off)
+    print(f"  audited {a:.1f} tok/s {[round(x, 1) for x in on]}; not audited {u:.1f} tok/s "
+          f"{[round(x, 1) for x in off]}", flush=True)
+    rep.add("audit (pinned, replicas on the same 2 cores): decode audited / not", a, u, "tok/s", 0.0,
+            note="(`meshnode generate`; 'whole' = the same route's unaudited sessions; no target)")
+    return {"audited_tps": on, "unaudited_tps": off, "load": load()}
+
+
 def batched(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     from bench.batch_bench import run_route
     from meshnode.launch import local_route
@@ -261,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             from bench import link_bench, tracker_bench
 
             out[name] = {"one-machine": one_machine, "pinned": pinned, "batched": batched,
-                         "tls": tls, "link": link_bench.run, "tracker": tracker_bench.run}[name](model, ns.runs, rep)
+                         "tls": tls, "audit": audit, "link": link_bench.run,
+                         "tracker": tracker_bench.run}[name](model, ns.runs, rep)
     rep.print()
     print("load averages at each section's end: "
           + "; ".join(f"{k} {v.get('load', '?') if isinstance(v, dict) else '?'}" for k, v in out.items())

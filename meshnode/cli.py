@@ -489,8 +489,8 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
                    help=f"audit every session through a node until N of its sessions checked out "
                         f"(default {a.probation})")
     p.add_argument("--audit-every", type=int, default=a.every, metavar="STEPS",
-                   help=f"steps between two checks of an audited session: a lie is caught within this many "
-                        f"(default {a.every})")
+                   help=f"steps between two checks of an audited session: the check covering a lie starts "
+                        f"within this many steps of it (default {a.every})")
     _add_exec_flags(p)
 
 
