@@ -389,10 +389,11 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
         rs.auditor = Auditor(rs.ident, every=cfg.audit.every, wire_dtype=cfg.wire_dtype, step_timeout=cfg.step_timeout,
                              sampling=sampling_pb(cfg.sampling))
     limit = caps[0].numerics.n_ctx_per_session - len(prompt)
-    run = _Run(rs, prompt, cfg, spare_caps, lambda: new_completion(cfg, bos, limit), on_token)
-    run.evidence_dir = ledger.path.parent / "evidence" if ledger.path is not None else None
+    run: _Run | None = None
     try:
-        await rs.open()
+        await rs.open()  # first: the prompt's chunks are the negotiated limits'
+        run = _Run(rs, prompt, cfg, spare_caps, lambda: new_completion(cfg, bos, limit), on_token)
+        run.evidence_dir = ledger.path.parent / "evidence" if ledger.path is not None else None
         result = await run.run()
         if rs.auditor is not None and rs.auditor.passed:
             ledger.passed(sorted(rs.auditor.passed))
@@ -404,8 +405,9 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
         await rs.close()
         raise
     finally:
-        await asyncio.shield(run.close())
-        await run.reported()
+        if run is not None:
+            await asyncio.shield(run.close())
+            await run.reported()
 
 
 async def _prompt(tail: str, cfg: GenerateConfig, tail_id: str) -> tuple[list[int], int, GenerateConfig]:
