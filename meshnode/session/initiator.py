@@ -523,8 +523,8 @@ class _Run:
                     raise
                 await self._stop_checking()
                 await self._fail_over(e)
-                if rs.auditor is not None:  # the new hop is audited too, from position 0
-                    rs.auditor.watch(rs.peers, rs.caps, self.known, frozenset(self.banned))
+                if rs.auditor is not None:  # the new hop is audited too, from position 0 (not by one that failed)
+                    rs.auditor.watch(rs.peers, rs.caps, self.known, self._avoid())
         decode = time.perf_counter() - t1
         await rs.release()
         if self.on_token is not None and (rest := self.completion.release()):
@@ -647,7 +647,7 @@ class _Run:
         self._roll_back(e.pos)
         await a.roll_back(rs.n_past)
         await self._fail_over(e)
-        a.watch(rs.peers, rs.caps, self.known, frozenset(self.banned))
+        a.watch(rs.peers, rs.caps, self.known, self._avoid())
 
     async def close(self) -> None:
         """Stop a check still running (the generation failed or was stopped)."""
@@ -704,6 +704,10 @@ class _Run:
         return {"audited": True, "every": self.cfg.audit.every, "hops": dict(a.audited),
                 "checked_positions": a.checked, "caught": list(a.caught)}
 
+    def _avoid(self) -> frozenset[str]:
+        """Hops a route or an audit does not use now: liars, and hops that failed lately (backing off)."""
+        return self.backoff.avoided(time.monotonic()) | frozenset(self.banned)
+
     async def _fail_over(self, e: errors.MeshnodeError) -> None:
         rs = self.rs
         t0 = time.perf_counter()
@@ -721,8 +725,7 @@ class _Run:
             known = [Candidate(c.node_id, ep, c.range.start, c.range.end, c.throughput.decode_tokens_per_second,
                                0.0, 1) for ep, c in self.known.items()]
             try:
-                chain = replacement(span, spare_candidates(known, rs.peers),
-                                    self.backoff.avoided(time.monotonic()) | frozenset(self.banned))
+                chain = replacement(span, spare_candidates(known, rs.peers), self._avoid())
                 new = [c.endpoint for c in chain]
                 new_caps = [self.known[p] for p in new]
             except errors.RouteError as why:

@@ -346,14 +346,18 @@ class NodeServicer(pb_grpc.NodeServicer):
                 task = old.task
                 if not admission.supersedes(old.route_open.initiator_node_id, old.epoch, ro.initiator_node_id,
                                             frame.route_epoch) or task is None:
-                    raise errors.SessionError(f"session {sid} is still live on this hop")
+                    raise errors.SessionError(f"session {sid} is still live on this hop (a resume may "
+                                              f"supersede it only from its own initiator under a later epoch)")
                 log.info("session %s: a resume under epoch %d supersedes its stream at epoch %d (its upstream "
                          "went silent)", sid, frame.route_epoch, old.epoch)
                 task.cancel()  # the handler's clean-up detaches the session (shielded)
+                # its clean-up may first wait out a step in flight (the kernels cannot be interrupted):
+                # bounded by a step's time, not a fraction of it
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(old.ended.wait(), self.limits.step_timeout / 10)
+                    await asyncio.wait_for(old.ended.wait(), self.limits.step_timeout)
                 if self.sessions.get(sid) is old:
-                    raise errors.SessionError(f"session {sid} is still live on this hop")
+                    raise errors.SessionError(f"session {sid} is still live on this hop: its stream at epoch "
+                                              f"{old.epoch} did not end within {self.limits.step_timeout:g}s")
         return self.detached.pop(sid, None)
 
     async def _make_room(self) -> None:
