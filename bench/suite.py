@@ -38,7 +38,7 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,18 +183,26 @@ def pinned(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     return {"whole": w, "cli": cli, "route_prefill_s": r_pre, "route_batched": routes, "load": load()}
 
 
+def in_turn(runs: int, *measures: Callable[[], list[float]]) -> list[list[float]]:
+    """Each measure's figures over ``runs`` rounds, the measures taking turns within a round: the host's
+    drift hits them alike."""
+    out: list[list[float]] = [[] for _ in measures]
+    for _ in range(runs):
+        for got, measure in zip(out, measures, strict=True):
+            got += measure()
+    return out
+
+
 def tls(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     from meshnode.launch import local_route
 
     print(f"\n== TLS: the pinned route with TLS and with --insecure, in turn (load average {load()})", flush=True)
     extra = ["--ctx-size", "2560", "--max-sessions", "8"]
-    secure, plain = [], []
     with (local_route(model, ["0:15", "15:30"], extra=extra, cpus=[[0], [1]]) as tls_nodes,
           local_route(model, ["0:15", "15:30"], extra=[*extra, "--insecure"], cpus=[[0], [1]]) as plain_nodes):
         a, b = [n.endpoint for n in tls_nodes], [n.endpoint for n in plain_nodes]
-        for _ in range(runs):  # interleaved: the host's drift hits both alike
-            secure += paths.cli_decode(a, 1, cpus=[0])["runs"]
-            plain += paths.cli_decode(b, 1, cpus=[0], extra=["--insecure"])["runs"]
+        secure, plain = in_turn(runs, lambda: paths.cli_decode(a, 1, cpus=[0])["runs"],
+                                lambda: paths.cli_decode(b, 1, cpus=[0], extra=["--insecure"])["runs"])
     s, p = statistics.median(secure), statistics.median(plain)
     print(f"  with TLS {s:.1f} tok/s {[round(x, 1) for x in secure]}; --insecure {p:.1f} tok/s "
           f"{[round(x, 1) for x in plain]}", flush=True)
@@ -208,15 +216,13 @@ def audit(model: Path, runs: int, rep: Report) -> dict[str, Any]:
 
     print(f"\n== audit: the pinned route, audited and not, in turn (load average {load()})", flush=True)
     extra = ["--ctx-size", "2560", "--max-sessions", "8"]
-    on, off = [], []
     with (local_route(model, ["0:15", "15:30"], extra=extra, cpus=[[0], [1]]) as nodes,
           local_route(model, ["0:15", "15:30"], extra=extra, cpus=[[1], [0]]) as replicas):
         peers = [n.endpoint for n in nodes]
         spares = [a for r in replicas for a in ("--spare", r.endpoint)]
-        for _ in range(runs):  # interleaved: the host's drift hits both alike
-            on += paths.cli_decode(peers, 1, cpus=[0], extra=[*spares, "--audit-rate", "1"])["runs"]
-            off += paths.cli_decode(peers, 1, cpus=[0], extra=[*spares, "--audit-probation", "0",
-                                                               "--audit-rate", "0"])["runs"]
+        audited, unaudited = ["--audit-rate", "1"], ["--audit-probation", "0", "--audit-rate", "0"]
+        on, off = in_turn(runs, lambda: paths.cli_decode(peers, 1, cpus=[0], extra=[*spares, *audited])["runs"],
+                          lambda: paths.cli_decode(peers, 1, cpus=[0], extra=[*spares, *unaudited])["runs"])
     a, u = statistics.median(on), statistics.median(off)
     print(f"  audited {a:.1f} tok/s {[round(x, 1) for x in on]}; not audited {u:.1f} tok/s "
           f"{[round(x, 1) for x in off]}", flush=True)
