@@ -20,6 +20,7 @@ import pytest
 
 from meshnode import errors
 from meshnode.audit.evidence import (
+    MAX_STEPS,
     check_evidence,
     open_evidence,
     parse_envelope,
@@ -234,6 +235,13 @@ def _tampered(run: Run, what: str) -> tuple[pb.Evidence, type[errors.MeshnodeErr
                                             wire_dtype=pb.DTYPE_F32, input_sha256=seal.input_sha256,
                                             output_sha256=seal.output_sha256))
         return ev, errors.SessionError
+    if what == "no-steps":
+        del ev.steps[:]
+        return ev, errors.InputError
+    if what == "too-many-steps":  # refused by its count, before any seal is opened
+        for _ in range(MAX_STEPS + 1 - len(ev.steps)):
+            ev.steps.add()
+        return ev, errors.InputError
     if what == "dtype":  # the rows as float16: not the dtype sealed
         ev.steps[2].activation.CopyFrom(encode_bundle(run.inputs[1][2], dtype=pb.DTYPE_F16, pos_start=9))
         return ev, errors.ShapeError
@@ -242,7 +250,7 @@ def _tampered(run: Run, what: str) -> tuple[pb.Evidence, type[errors.MeshnodeErr
 
 TAMPERS = ["signer", "seal-bytes", "gap", "wrong-last", "no-accusation", "input-rows", "input-tokens",
            "sender-output", "sender-chunk", "sender-session", "sender-range", "sender-missing", "range",
-           "fingerprint", "session", "numerics", "dtype"]
+           "fingerprint", "session", "numerics", "dtype", "no-steps", "too-many-steps"]
 
 
 @pytest.mark.parametrize("what", TAMPERS)
