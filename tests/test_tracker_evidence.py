@@ -204,3 +204,39 @@ async def test_a_slow_verdict_is_polled_for(tmp_path: Path, model: Path, run: Ru
             nursery.cancel_scope.cancel()
     finally:
         registry.close()
+
+
+async def test_a_verification_over_its_time_is_killed_and_marks_nothing(tmp_path: Path, model: Path,
+                                                                       run: Run) -> None:  # noqa: F811
+    """``--verify-timeout``: a child still running at the deadline is killed; the verdict is 503
+    DEADLINE_EXCEEDED, nothing is marked and the next report is verified as usual (no process starts,
+    loads a model and recomputes a range in 10 ms)."""
+    import trio
+
+    import tracker.evidence
+    from tracker.registry import Registry
+
+    registry = Registry(tmp_path / "t.sqlite", ttl=30)
+    verifier = tracker.evidence.Verifier(registry, {run.fp: model}, tmp_path / "evidence", timeout=0.01)
+    body = sign_evidence(NodeIdentity.generate(), run.evidence(0, 1, lie=True)).SerializeToString()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(verifier.serve)
+            status, doc = await verifier.submit(body)
+            while status == 202:
+                await trio.sleep(0.05)
+                status, doc = verifier.result(doc["id"])
+            assert (status, doc["verdict"], doc["error"]) == (503, "unverified", "DEADLINE_EXCEEDED"), doc
+            assert "--verify-timeout" in doc["message"]
+            assert run.idents[0].node_id not in registry.marks
+            assert not list((tmp_path / "evidence").iterdir())  # the body's file is gone
+            verifier.timeout = 300.0
+            other = sign_evidence(NodeIdentity.generate(), run.evidence(0, 1, lie=True)).SerializeToString()
+            status, doc = await verifier.submit(other)
+            while status == 202:
+                await trio.sleep(0.05)
+                status, doc = verifier.result(doc["id"])
+            assert (status, doc["verdict"], doc["marked"]) == (200, "confirmed", True), doc
+            nursery.cancel_scope.cancel()
+    finally:
+        registry.close()
