@@ -31,6 +31,7 @@ from meshnode.proto import node_pb2 as pb
 from meshnode.runtime import RuntimeDir, node_state_dir
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
 from meshnode.session.hop import HopLimits
+from meshnode.session.host import SessionHost
 from meshnode.transport import security
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.server import check_listen, serve_grpc, split_hostport
@@ -215,20 +216,21 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
         # the data plane (grpc.aio, sessions, the executor's waiters) runs on an asyncio loop of its own
         # thread; trio keeps the lifecycle and reaches that loop only through ``aio`` (aiothread.py)
         async with open_aio_thread() as aio, trio.open_nursery() as nursery:
-            servicer = NodeServicer(executor, cap, config.limits, endpoint=config.listen, ident=ident)
+            host = SessionHost(executor, cap, config.limits, endpoint=config.listen, ident=ident)
+            servicer = NodeServicer(host, executor)
             addr = await nursery.start(functools.partial(serve_grpc, servicer, config.listen, aio=aio.run, tls=tls))
-            servicer.endpoint = addr
+            host.endpoint = addr
             endpoints.append(addr)
-            servicer.capability = cap()
+            host.capability = cap()
             metrics_url = None
             if config.metrics:
                 mhost, mport = split_hostport(config.metrics)
                 from meshnode.httpserve import serve_asgi  # hypercorn + starlette cost ~9 MB: only when used
 
-                bound = await nursery.start(serve_asgi, servicer.metrics.asgi(), mhost, mport)
+                bound = await nursery.start(serve_asgi, host.metrics.asgi(), mhost, mport)
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)
-            await _announce(nursery, config, ident, servicer, aio, addr)
+            await _announce(nursery, config, ident, host, aio, addr)
             api_url = await _serve_api(nursery, config, aio, addr, runtime.dir) if config.api else None
             runtime.write(node_id=ident.node_id, listen=config.listen, endpoint=addr,
                           layers=f"{artifact.start}:{artifact.end}", tracker=config.tracker,
@@ -238,10 +240,10 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
             interval = watchdog_interval()
             if interval:
                 nursery.start_soon(run_watchdog, interval)
-            nursery.start_soon(_sweep_detached, servicer, aio)
+            nursery.start_soon(_sweep_detached, host, aio)
             task_status.started(addr)
             await (stop if stop is not None else trio.Event()).wait()
-            await _drain(servicer, executor, aio, config.drain_timeout)
+            await _drain(host, executor, aio, config.drain_timeout)
             nursery.cancel_scope.cancel()  # gRPC stops: the sessions still live are cut
             with trio.CancelScope(shield=True):
                 await _settle(executor)
@@ -268,7 +270,7 @@ async def _serve_api(nursery: trio.Nursery, config: NodeConfig, aio: AioThread, 
     return url
 
 
-async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdentity, servicer: NodeServicer,
+async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdentity, sessions: SessionHost,
                     aio: AioThread, addr: str) -> None:
     """Start mDNS advertising and tracker heartbeats, as configured."""
     if config.mdns_interface:
@@ -279,22 +281,22 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
         await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
                                               node_id=ident.node_id, endpoint=advertised, aio=aio.run))
     if config.tracker:
-        await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: servicer.capability,
-                                              servicer.health, interval=config.heartbeat))
+        await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: sessions.capability,
+                                              sessions.health, interval=config.heartbeat))
 
 
-async def _sweep_detached(servicer: NodeServicer, aio: AioThread, every: float = 1.0) -> None:
+async def _sweep_detached(host: SessionHost, aio: AioThread, every: float = 1.0) -> None:
     """Free broken sessions' KV state once no resume came within the grace period."""
     while True:
         await trio.sleep(every)
-        await aio.run(servicer.sweep)
+        await aio.run(host.sweep)
 
 
-async def _drain(servicer: NodeServicer, executor: RangeExecutor, aio: AioThread, timeout: float) -> None:
+async def _drain(host: SessionHost, executor: RangeExecutor, aio: AioThread, timeout: float) -> None:
     """Refuse new sessions; give live ones ``timeout`` seconds to finish."""
     notify("STOPPING=1")
-    servicer.serving = False
-    await aio.run(servicer.drop_detached)  # no resume is coming any more
+    host.serving = False
+    await aio.run(host.drop_detached)  # no resume is coming any more
     log.info("draining: %d live sessions, up to %.0fs", executor.live_slots, timeout)
     with trio.move_on_after(timeout):
         # slots are freed by asyncio-side session code; a bounded 100 ms poll is simpler

@@ -1459,7 +1459,7 @@ async def test_fuzz_outputs_requests(node_factory):
 # -- properties the fuzz found broken, kept as regressions -------------------------------------
 #
 # Each of these FAILS until the fix described for it lands (in files this test may not touch:
-# meshnode/session/hop.py, meshnode/transport/servicer.py, meshnode/identity/routeauth.py). Do not
+# meshnode/session/hop.py, meshnode/session/host.py, meshnode/identity/routeauth.py). Do not
 # skip or xfail them: they are the fuzz's findings.
 
 

@@ -1,7 +1,7 @@
 """The initiator dies mid-Generate: the head stops decoding for it and keeps serving others.
 
 A running Generate posts each result to the stream's writer and goes on to the next token
-(transport/servicer.py ``_Writer``), so nothing on its path waits for the initiator; when the
+(session/replies.py ``ReplyWriter``), so nothing on its path waits for the initiator; when the
 initiator's stream is gone, grpc cancels the stream's handler (or, first, a post finds the send
 failed and raises) and the Generate ends. The session is detached (its KV kept for a resume, as
 after any broken stream), never left decoding for nobody, and the route's next session is exact.

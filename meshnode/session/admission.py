@@ -1,6 +1,6 @@
 """Whom a node takes in and whom it lets go: its session-hosting decisions, as pure functions of state.
 
-The servicer (transport/servicer.py) holds the state — live sessions, detached
+The host (session/host.py) holds the state — live sessions, detached
 ones with the time each was detached, a token bucket per initiator — and
 acts on what these functions decide:
 

@@ -1,228 +1,77 @@
-"""The Node gRPC service: dispatches frames to HopSessions, translates errors.
+"""The Node gRPC service: gRPC's side of a node, over the sessions it hosts (session/host.py).
 
-Every frame on a Session stream gets exactly one reply, so the stream stays
-in lock step. A session whose stream ends without a release or cancel (its
-initiator or a neighbour died) is detached, not freed: its KV state waits
-``detach_grace`` seconds for a resume (failover), is evicted first when an
-open needs its slot, and is freed by ``sweep()`` after that.
-
-Errors are translated here, at the boundary: a MeshnodeError becomes an
-``Error`` frame carrying its code; anything else is a bug, logged and
-answered as INTERNAL (terminal) — the node keeps serving other sessions.
+Each RPC is translated here and nowhere else: a Session stream becomes a ``replies.Stream``
+(bytes that are not a SessionFrame: WireError; the peer's half-close: None) served by
+``SessionHost.serve``; a unary call's typed error becomes its gRPC status (a control that does
+not verify or is not its initiator's: PERMISSION_DENIED; no such session of the caller's:
+NOT_FOUND; bad input: INVALID_ARGUMENT; a node that cannot answer it: FAILED_PRECONDITION),
+with the error's code leading the details.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
-import inspect
-import logging
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
-from meshnode.identity import NodeIdentity
-from meshnode.identity.routeauth import check_control, parse_open
-from meshnode.metrics import NodeMetrics
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
-from meshnode.ratelimit import RateTable
-from meshnode.session import admission
-from meshnode.session.admission import Recent
-from meshnode.session.flow import Flow
-from meshnode.session.hop import HopLimits, HopSession
-from meshnode.wire import codec
-
-log = logging.getLogger("meshnode.node")
 
 
-class _Writer:
-    """Writes one stream's replies in order (a running Generate, the read loop and steps still
-    waiting for the next hop all answer), and counts what is written into the node's metrics.
+class _GrpcStream:
+    """A Session call's server end as a ``replies.Stream``."""
 
-    ``post`` queues a reply and returns at once: a Generate goes on to its next token while its
-    last result is still being sent (the send's completion would otherwise sit on every token's
-    critical path). ``post_later`` queues a reply that is not there yet (an awaitable of it: a
-    step the next hop is still computing), so the session's next step can start meanwhile; the
-    replies behind it wait their turn. ``write`` queues and waits until everything queued so far
-    is sent. A failed send ends the stream: every later ``post`` or ``write`` raises PeerError.
-    """
-
-    def __init__(self, context: Any, metrics: NodeMetrics) -> None:
+    def __init__(self, context: Any) -> None:
         self._context = context
-        self._metrics = metrics
-        self._pending: collections.deque[tuple[pb.SessionReply | Awaitable[pb.SessionReply],
-                                               Callable[[], None] | None]] = collections.deque()
-        self._pump_task: asyncio.Task[None] | None = None
-        self._failed: str | None = None
 
-    def post(self, reply: pb.SessionReply, before: Callable[[], None] | None = None) -> None:
-        """Queue ``reply``; ``before`` runs right before it is written (or dropped)."""
-        self.post_later(reply, before)
-
-    def post_later(self, reply: pb.SessionReply | Awaitable[pb.SessionReply],
-                   before: Callable[[], None] | None = None) -> None:
-        """Queue a reply or an awaitable of one (it must not raise); awaited in turn, then written."""
-        if self._failed is not None:
-            if inspect.iscoroutine(reply):
-                reply.close()
-            raise errors.PeerError(f"the stream to the previous hop broke: {self._failed}")
-        self._pending.append((reply, before))
-        if self._pump_task is None or self._pump_task.done():
-            self._pump_task = asyncio.ensure_future(self._pump())
+    async def read(self) -> pb.SessionFrame | None:
+        try:
+            frame = await self._context.read()
+        except DecodeError as e:  # grpc's deserializer raises protobuf's error out of ``read``
+            raise errors.WireError(f"a message on this stream is not a SessionFrame ({e})") from None
+        return None if frame is grpc.aio.EOF else frame
 
     async def write(self, reply: pb.SessionReply) -> None:
-        self.post(reply)
-        await self.flush()
-
-    async def flush(self) -> None:
-        """Wait until every queued reply is sent (cancelling the caller does not stop the sending)."""
-        while self._pump_task is not None and not self._pump_task.done():
-            await asyncio.shield(self._pump_task)
-        if self._failed is not None:
-            raise errors.PeerError(f"the stream to the previous hop broke: {self._failed}")
-
-    async def _pump(self) -> None:
-        try:
-            while self._pending:
-                item, before = self._pending[0]
-                reply = item if isinstance(item, pb.SessionReply) else await item
-                self._pending.popleft()
-                if before is not None:
-                    before()
-                if self._failed is not None:
-                    continue  # nothing more goes out; what is owed is still awaited, in order
-                self._count(reply)
-                try:
-                    await self._context.write(reply)
-                except Exception as e:  # the RPC is over (peer gone, cancelled): nothing more goes out
-                    self._failed = repr(e)
-        finally:
-            self._drop()
-
-    def _drop(self) -> None:
-        """The pump was stopped: what is still queued is never written (its hooks still run)."""
-        while self._pending:
-            item, before = self._pending.popleft()
-            if inspect.iscoroutine(item):
-                item.close()
-            if before is not None:
-                before()
-
-    def _count(self, reply: pb.SessionReply) -> None:
-        m = self._metrics
-        m.bytes_out.inc(reply.ByteSize())
-        if reply.HasField("error"):
-            m.errors.labels(code=pb.ErrorCode.Name(reply.error.code)).inc()
-        elif reply.HasField("result") and not reply.result.duplicate and reply.result.timings:
-            mine = reply.result.timings[0]
-            m.tokens.labels(kind="decode" if mine.n_tokens == 1 else "prefill").inc(mine.n_tokens)
-            m.steps.observe(mine.handle_nanos / 1e9)
-
-    async def error(self, session: HopSession, e: errors.MeshnodeError, *, terminal: bool | None = None) -> None:
-        await self.write(pb.SessionReply(route_session_id=session.session_id,
-                                         error=codec.error_to_pb(e, hop=session.endpoint, terminal=terminal)))
-
-    async def close(self, timeout: float) -> None:
-        """At the end of the handler: let what is queued go out (bounded), then stop."""
-        task = self._pump_task
-        if task is not None and not task.done():
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-            task.cancel()
-            await asyncio.wait([task])
-        self._drop()
+        await self._context.write(reply)
 
 
-#: seconds between looks for a freed slot while an open waits for one
-ADMISSION_POLL = 0.02
-#: session ids a node remembers as cancelled before their open (anyone may send such a cancel)
-MAX_EARLY_CANCELS = 4096
-#: residual bytes one Outputs reply carries at most (under the 64 MiB message bound)
-MAX_OUTPUTS_BYTES = 32 << 20
+class Host(Protocol):
+    """The sessions a node hosts, as this service needs them (session/host.py's ``SessionHost``; wired
+    in node.py: transport does not import session)."""
+
+    def current_capability(self) -> pb.Capability: ...
+
+    def health(self) -> pb.HealthReply: ...
+
+    def authorize(self, env: pb.SignedEnvelope, sid: str, action: str, work: str) -> None: ...
+
+    async def release(self, sid: str) -> pb.ReleaseReply: ...
+
+    async def cancel(self, sid: str, work: str) -> pb.CancelReply: ...
+
+    def outputs(self, request: pb.OutputsRequest) -> pb.OutputsReply: ...
+
+    async def serve(self, stream: _GrpcStream) -> None: ...
 
 
-async def _read(context: Any) -> Any:
-    """The next frame (or grpc.aio.EOF); WireError for bytes that do not parse as a SessionFrame
-    (grpc's deserializer raises protobuf's DecodeError out of ``read``)."""
-    try:
-        return await context.read()
-    except DecodeError as e:
-        raise errors.WireError(f"a message on this stream is not a SessionFrame ({e})") from None
-
-
-@dataclass
-class _Control:
-    """What the reader and the executing side of one session stream share."""
-
-    flow: Flow
-    #: a Generate is queued or running: only cancel and release may come in meanwhile
-    generating: bool = False
-    #: set to end the running Generate after its current step
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    #: work id of the running Generate (an in-band cancel of it stops it)
-    work_id: str | None = None
-    #: frames in order, for the executing side (an error: answered, and the session is over; None: the
-    #: stream is over)
-    queue: asyncio.Queue[pb.SessionFrame | errors.MeshnodeError | None] = field(default_factory=asyncio.Queue)
-    #: steps and grants refused for going beyond the credits (session/admission.py ``overrun``)
-    overruns: int = 0
-    #: a step's reply, once the next hop answered, was a terminal error: the session is over
-    over: bool = False
-
-    def end(self) -> None:
-        self.over = True
-        self.queue.put_nowait(None)
+async def _abort(context: Any, status: grpc.StatusCode, e: errors.MeshnodeError) -> NoReturn:
+    await context.abort(status, f"{e.code}: {e.message}")
+    raise AssertionError("unreachable") from e
 
 
 class NodeServicer(pb_grpc.NodeServicer):
-    def __init__(self, executor: RangeExecutor, capability: Callable[[], pb.Capability], limits: HopLimits,
-                 endpoint: str, ident: NodeIdentity) -> None:
+    def __init__(self, host: Host, executor: RangeExecutor) -> None:
+        self.host = host
         self.executor = executor
-        self.ident = ident
-        self.metrics = NodeMetrics(live_sessions=lambda: executor.live_slots)
-        self.nonces: dict[bytes, int] = {}
-        #: makes a freshly signed capability; renewed well before its attestation expires
-        self._make_capability = capability
-        self.capability = capability()
-        self.limits = limits
-        self.endpoint = endpoint
-        self.sessions: dict[str, HopSession] = {}
-        #: sessions whose stream broke without a release: KV kept for a resume (failover)
-        self.detached: dict[str, HopSession] = {}
-        #: ids cancelled before (or without) their open (the last MAX_EARLY_CANCELS)
-        self.cancelled = Recent(MAX_EARLY_CANCELS)
-        #: for those: who cancelled (an open by anyone else is not refused by it)
-        self.early_cancellers: dict[str, str] = {}
-        self.serving = True
-        #: opens per initiator (session/admission.py ``open_rate``)
-        self.opens = RateTable(limits.opens_per_minute / 60.0, limits.opens_burst)
-
-    # -- unary --------------------------------------------------------------------
 
     async def GetCapability(self, request: pb.CapabilityRequest, context: Any) -> pb.Capability:
-        att = pb.Attestation.FromString(self.capability.attestation.payload)
-        if att.expires_at_unix - time.time() < (att.expires_at_unix - att.issued_at_unix) / 2:
-            self.capability = self._make_capability()
-        return self.capability
+        return self.host.current_capability()
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
-        return self.health()
-
-    def health(self) -> pb.HealthReply:
-        """Load and headline figures: answered to Health, sent with tracker heartbeats."""
-        ex, m = self.executor, self.metrics
-        return pb.HealthReply(serving=self.serving, live_sessions=ex.live_slots, free_sessions=ex.free_slots,
-                              steps_total=ex.steps_total, tokens_total=m.tokens_total(),
-                              errors_total=m.errors_total(), step_seconds_mean=m.step_seconds_mean(),
-                              detached_sessions=len(self.detached), batches_total=ex.batches_total)
+        return self.host.health()
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeReply:
         vocab = self.executor.vocab
@@ -235,434 +84,33 @@ class NodeServicer(pb_grpc.NodeServicer):
         try:
             chat = vocab.chat_format().render([{"role": m.role, "content": m.content} for m in request.messages])
         except errors.InputError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.code}: {e.message}")
-            raise AssertionError("unreachable") from e
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, e)
         except errors.MeshnodeError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.code}: {e.message}")
-            raise AssertionError("unreachable") from e
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, e)
         return pb.TokenizeReply(tokens=vocab.tokenize(chat.text, add_special=chat.add_bos, parse_special=True),
                                 bos_token=vocab.bos, stop=list(chat.stop))
 
     async def _authorize(self, context: Any, env: pb.SignedEnvelope, sid: str, action: str, work: str) -> None:
-        """Only the session's initiator may release or cancel it (PERMISSION_DENIED otherwise)."""
         try:
-            signer = check_control(env, session_id=sid, action=action, work_id=work, now=int(time.time()))
+            self.host.authorize(env, sid, action, work)
         except errors.MeshnodeError as e:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{e.code}: {e.message}")
-            raise AssertionError("unreachable") from e
-        s = self.sessions.get(sid)
-        owner = s.route_open.initiator_node_id if s is not None else self.early_cancellers.get(sid, signer)
-        if signer != owner:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"OPEN_UNAUTHENTICATED: only the initiator of session {sid} may {action} it")
-        if s is None and action == "cancel":
-            self.early_cancellers.setdefault(sid, signer)
-            while len(self.early_cancellers) > MAX_EARLY_CANCELS:
-                del self.early_cancellers[next(iter(self.early_cancellers))]
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, e)
 
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
         await self._authorize(context, request.auth, request.route_session_id, "release", "")
-        s = self.sessions.pop(request.route_session_id, None) or self.detached.pop(request.route_session_id, None)
-        if s is None:
-            return pb.ReleaseReply(released=False)
-        s.detachable = False
-        await s.close()
-        return pb.ReleaseReply(released=True)
-
-    async def Outputs(self, request: pb.OutputsRequest, context: Any) -> pb.OutputsReply:
-        """The residual rows this hop sent on for a session's chunks: only to its initiator; bounded
-        to ``MAX_OUTPUTS_BYTES`` a reply (the initiator asks again from where it stopped)."""
-        sid = request.route_session_id
-        s = self.sessions.get(sid) or self.detached.get(sid)
-        try:
-            signer = check_control(request.auth, session_id=sid, action="outputs", work_id="", now=int(time.time()))
-        except errors.MeshnodeError as e:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{e.code}: {e.message}")
-            raise AssertionError("unreachable") from e
-        if s is None or s.route_open.initiator_node_id != signer:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"UNKNOWN_SESSION: no session {sid} of yours here")
-            raise AssertionError("unreachable")
-        reply, size = pb.OutputsReply(), 0
-        for bundle in s.outputs(request.pos_start, request.pos_end):
-            size += bundle.total_bytes
-            if size > MAX_OUTPUTS_BYTES and reply.chunks:
-                break
-            reply.chunks.append(bundle)
-        return reply
+        return await self.host.release(request.route_session_id)
 
     async def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelReply:
-        sid, work = request.route_session_id, request.work_id
-        await self._authorize(context, request.auth, sid, "cancel", work)
-        s = self.sessions.get(sid)
-        if work:
-            if s is None or work in s.cancelled_work:
-                return pb.CancelReply(cancelled=False)
-            s.cancelled_work.add(work)
-            return pb.CancelReply(cancelled=True)
-        fresh = sid not in self.cancelled
-        self.cancelled.add(sid)
-        s = self.sessions.pop(sid, None) or self.detached.pop(sid, None)
-        if s is not None:
-            s.detachable = False
-            await s.close()
-        return pb.CancelReply(cancelled=fresh)
+        await self._authorize(context, request.auth, request.route_session_id, "cancel", request.work_id)
+        return await self.host.cancel(request.route_session_id, request.work_id)
 
-    # -- detached sessions (failover) ------------------------------------------------
-
-    async def sweep(self, now: float | None = None) -> int:
-        """Free detached sessions older than the grace period; returns how many."""
-        now = time.monotonic() if now is None else now
-        old = admission.expired(self._detached_at(), now, self.limits.detach_grace)
-        for sid in old:
-            await self.detached.pop(sid).close()
-        return len(old)
-
-    def _detached_at(self) -> dict[str, float]:
-        return {sid: d.detached_at for sid, d in self.detached.items()}
-
-    def _admit(self, ro: pb.RouteOpen) -> None:
-        """A verified open, before it takes a slot: within its initiator's opens a minute?"""
-        admission.open_rate(self.opens, ro.initiator_node_id, time.monotonic(), self.limits.opens_per_minute)
-
-    async def drop_detached(self) -> None:
-        """Free every detached session (the node is draining)."""
-        while self.detached:
-            _, d = self.detached.popitem()
-            await d.close()
-
-    async def _claim(self, sid: str, frame: pb.SessionFrame) -> HopSession | None:
-        """For a resume: the detached session ``sid``, once its old stream has ended (bounded wait).
-
-        A stream whose upstream vanished without a word (a partition) never ends by itself: if the
-        resume is signed by the session's own initiator under a later epoch (it has moved on), the
-        old stream is ended here and its session taken over (``admission.supersedes``)."""
-        old = self.sessions.get(sid)
-        if old is not None:
-            # the initiator tore the old route down; this hop may not have noticed yet
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(old.ended.wait(), self.limits.step_timeout / 10)
-            if self.sessions.get(sid) is old:
-                ro = parse_open(frame.open.signed_open)  # its signature checked: OpenForgedError if not
-                task = old.task
-                if not admission.supersedes(old.route_open.initiator_node_id, old.epoch, ro.initiator_node_id,
-                                            frame.route_epoch) or task is None:
-                    raise errors.SessionError(f"session {sid} is still live on this hop (a resume may "
-                                              f"supersede it only from its own initiator under a later epoch)")
-                log.info("session %s: a resume under epoch %d supersedes its stream at epoch %d (its upstream "
-                         "went silent)", sid, frame.route_epoch, old.epoch)
-                task.cancel()  # the handler's clean-up detaches the session (shielded)
-                # its clean-up may first wait out a step in flight (the kernels cannot be interrupted):
-                # bounded by a step's time, not a fraction of it
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(old.ended.wait(), self.limits.step_timeout)
-                if self.sessions.get(sid) is old:
-                    raise errors.SessionError(f"session {sid} is still live on this hop: its stream at epoch "
-                                              f"{old.epoch} did not end within {self.limits.step_timeout:g}s")
-        return self.detached.pop(sid, None)
-
-    async def _make_room(self) -> None:
-        """No free slot: evict the oldest detached session rather than refuse a live open; with none
-        detached, wait (up to ``admission_wait``) for a session that is ending to free its slot:
-        a stream whose peer just hung up frees it a moment later. Then the open may still be
-        refused (RESOURCE_EXHAUSTED), never queued for long."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.limits.admission_wait
-        while self.executor.free_slots == 0:
-            sid = admission.room(self._detached_at())
-            if sid is not None:
-                await self.detached.pop(sid).close()
-            elif loop.time() >= deadline:
-                return
-            else:
-                await asyncio.sleep(ADMISSION_POLL)
-
-    async def _end(self, session: HopSession) -> None:
-        """A stream is over: detach its session (if it may resume) or free it."""
-        if self.sessions.get(session.session_id) is session:
-            del self.sessions[session.session_id]
-        if session.detachable and session.slot is not None and self.serving:
-            # listed as detached before anything is awaited: a Release or resume arriving meanwhile
-            # must find it (else it would sit out the whole grace period, found by neither)
-            session.detached_at = time.monotonic()
-            stale = [self.detached.pop(session.session_id, None)]
-            bound = self.limits.max_detached or self.executor.config.max_sessions
-            stale += [self.detached.pop(sid) for sid in admission.over_detached(self._detached_at(), bound)]
-            self.detached[session.session_id] = session
-            for old in stale:
-                if old is not None:
-                    await old.close()
-            await session.detach()
-        else:  # a broken stream on a draining node: the hops after it may still serve a resume
-            await session.close(end_downstream=not session.detachable)
-        session.ended.set()
-
-    # -- the session stream ---------------------------------------------------------
+    async def Outputs(self, request: pb.OutputsRequest, context: Any) -> pb.OutputsReply:
+        try:
+            return self.host.outputs(request)
+        except errors.UnknownSessionError as e:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, e)
+        except errors.MeshnodeError as e:
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, e)
 
     async def Session(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
-        """One route session: this coroutine executes frames in order; a reader task reads ahead.
-
-        Reading ahead is what makes credits enforceable (a step beyond them is
-        refused on arrival, not queued) and lets cancel, release and credit
-        grants act while a step or a Generate is running.
-        """
-        session = HopSession(self.executor, self.capability, self.limits, self.endpoint, self.ident, self.nonces,
-                             admit=self._admit, task=asyncio.current_task())
-        writer = _Writer(context, self.metrics)
-        reader: asyncio.Task[None] | None = None
-        try:
-            try:
-                first = await _read(context)
-            except errors.WireError as e:
-                await writer.write(pb.SessionReply(error=codec.error_to_pb(e, hop=self.endpoint, terminal=True)))
-                return
-            if first is grpc.aio.EOF:
-                return
-            if not await self._open(session, first, writer):
-                return
-            ctl = _Control(Flow(session.negotiated.credits))
-            reader = asyncio.ensure_future(self._read_ahead(context, session, ctl.queue, writer, ctl))
-            while (frame := await ctl.queue.get()) is not None and not ctl.over:
-                if isinstance(frame, errors.MeshnodeError):  # answered in order, and the session is over
-                    session.detachable = False
-                    await writer.error(session, frame, terminal=True)
-                    return
-                if not await self._work(session, frame, writer, ctl):
-                    return
-        finally:
-            await writer.close(self.limits.step_timeout / 10)
-            if reader is not None:
-                reader.cancel()  # its outcome is collected here either way
-                with contextlib.suppress(BaseException):
-                    await reader
-            # grpc cancels this handler when the peer hangs up (initiators do, right after an
-            # error reply); a clean-up cut short would leak the KV slot: let it run to its end
-            await asyncio.shield(self._end(session))
-
-    async def _read_ahead(self, context: Any, session: HopSession,
-                          queue: asyncio.Queue[pb.SessionFrame | errors.MeshnodeError | None],
-                          writer: _Writer, ctl: _Control) -> None:
-        """Read frames as they come: credits and refusals act at once, the rest is queued in order.
-
-        Bytes that are not a SessionFrame end the reading: PAYLOAD_CORRUPT is queued (the stream's
-        framing can no longer be trusted) and a running Generate stops after its current step.
-        """
-        try:
-            while True:
-                try:
-                    frame = await _read(context)
-                except errors.WireError as e:
-                    ctl.stop.set()
-                    queue.put_nowait(e)
-                    return
-                if frame is grpc.aio.EOF:
-                    return
-                self.metrics.bytes_in.inc(frame.ByteSize())
-                kind = frame.WhichOneof("body")
-                try:
-                    if frame.route_epoch != session.epoch:  # every body, before it acts
-                        raise errors.EpochStaleError(
-                            f"route epoch {frame.route_epoch} is stale (session is at {session.epoch})")
-                    if kind == "credit":
-                        ctl.flow.grant(frame.credit.credits)
-                        continue
-                    if ctl.generating and kind not in ("cancel", "release"):
-                        raise errors.SessionError("a Generate is running on this session")
-                    if kind == "step":
-                        ctl.flow.admit()
-                    elif kind == "generate":
-                        ctl.generating, ctl.stop, ctl.work_id = True, asyncio.Event(), frame.generate.work_id
-                    elif kind == "release" or (kind == "cancel" and frame.cancel.work_id in ("", ctl.work_id)):
-                        ctl.stop.set()  # a running Generate ends after its current step
-                    if kind == "cancel" and frame.cancel.work_id:
-                        session.cancelled_work.add(frame.cancel.work_id)
-                except errors.MeshnodeError as e:
-                    if isinstance(e, errors.FlowControlError):
-                        ctl.overruns += 1
-                        if admission.overrun(ctl.overruns, self.limits.max_overruns):  # cut: the peer ignores credits
-                            ctl.stop.set()
-                            queue.put_nowait(errors.FlowControlError(
-                                f"{ctl.overruns} frames beyond the negotiated credits: the stream is cut"))
-                            return
-                    await writer.write(pb.SessionReply(route_session_id=session.session_id, error=codec.error_to_pb(
-                        e, hop=self.endpoint, step_id=frame.step.step_id if kind == "step" else 0, terminal=False)))
-                    continue
-                queue.put_nowait(frame)
-        finally:
-            queue.put_nowait(None)
-
-    async def _work(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
-        """Execute one queued frame; False once the session is over."""
-        kind = frame.WhichOneof("body")
-        # The state a frame holds is given back *before* its final answer is written: the peer
-        # may send the next step or Generate the moment it reads that answer, and the reader
-        # must not refuse it for credits or a Generate that are in fact over.
-        if kind == "generate":
-            try:
-                return await self._generate(session, frame, writer, ctl)
-            finally:
-                ctl.generating, ctl.work_id = False, None
-        if kind != "step":
-            return await self._frame(session, frame, writer)
-        return await self._step(session, frame, writer, ctl)
-
-    async def _step(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
-        """Start a step; its reply is queued in order and written once the hops after this one answered
-        (``HopSession.start``), so the next step may start here meanwhile. False once the session is over."""
-        answered = False
-
-        def answer() -> None:
-            nonlocal answered
-            if not answered:
-                answered = True
-                ctl.flow.answered()
-
-        try:
-            self._check_live(session, frame)
-            rest = await session.start(frame)
-        except Exception as e:
-            reply = self._failed(session, e, frame.step.step_id)
-            writer.post(reply, answer)
-            return not reply.error.terminal
-        except BaseException:
-            answer()
-            raise
-        writer.post_later(self._settle(session, frame, rest, ctl), answer)
-        return True
-
-    async def _settle(self, session: HopSession, frame: pb.SessionFrame, rest: Awaitable[pb.SessionReply],
-                      ctl: _Control) -> pb.SessionReply:
-        """A started step's reply once the next hop answered; an error reply if it failed (never raises)."""
-        try:
-            return await rest
-        except Exception as e:
-            reply = self._failed(session, e, frame.step.step_id)
-            if reply.error.terminal:
-                ctl.end()
-            return reply
-
-    def _failed(self, session: HopSession, e: Exception, step_id: int) -> pb.SessionReply:
-        """The answer to a step that raised ``e`` (call it in the ``except``): a MeshnodeError's own
-        code; anything else is a bug: logged, answered INTERNAL (terminal), and not resumable."""
-        if not isinstance(e, errors.MeshnodeError):
-            log.exception("internal error in session %s", session.session_id)
-            session.detachable = False
-            e = errors.MeshnodeError(f"internal error: {e!r}")
-            return pb.SessionReply(route_session_id=session.session_id, error=codec.error_to_pb(
-                e, hop=self.endpoint, step_id=step_id, terminal=True))
-        return pb.SessionReply(route_session_id=session.session_id,
-                               error=codec.error_to_pb(e, hop=self.endpoint, step_id=step_id))
-
-    async def _generate(self, session: HopSession, frame: pb.SessionFrame, writer: _Writer, ctl: _Control) -> bool:
-        def over() -> None:
-            ctl.generating, ctl.work_id = False, None
-
-        def post(reply: pb.SessionReply) -> None:
-            if reply.HasField("result") and reply.result.last:
-                over()
-            writer.post(reply)
-
-        try:
-            await session.generate(frame, post, ctl.stop, ctl.flow)
-        except errors.MeshnodeError as e:
-            over()
-            await writer.error(session, e)
-            return not codec.error_to_pb(e, hop=self.endpoint).terminal
-        except Exception as e:
-            over()
-            log.exception("internal error in session %s", session.session_id)
-            session.detachable = False
-            await writer.error(session, errors.MeshnodeError(f"internal error: {e!r}"), terminal=True)
-            return False
-        return True
-
-    async def _open(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
-        sid = frame.route_session_id
-        try:
-            if not frame.HasField("open"):
-                raise errors.UnknownSessionError(f"session {sid!r} was never opened on this hop")
-            if not self.serving:
-                raise errors.CapacityError("this node is draining and takes no new sessions")
-            if sid in self.cancelled:
-                if self._cancelled_by_its_initiator(frame):
-                    raise errors.CancelledError(f"session {sid} was cancelled before it opened")
-                self.cancelled.discard(sid)  # someone else's cancel: void for this session
-                self.early_cancellers.pop(sid, None)
-            prior = await self._claim(sid, frame) if frame.open.resume else None
-            if sid in self.sessions:
-                raise errors.SessionError(f"session {sid} is already open on this hop")
-            if prior is None:
-                await self.sweep()
-                await self._make_room()
-            try:
-                accepted = await session.open(frame, prior)
-            except BaseException:
-                if prior is not None and prior.slot is not None:  # not adopted: keep it for a valid resume
-                    self.detached[sid] = prior
-                raise
-        except errors.MeshnodeError as e:
-            await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
-                e, hop=self.endpoint, terminal=True)))
-            return False
-        session.detachable = True
-        self.sessions[sid] = session
-        self.metrics.sessions.inc()
-        await context.write(pb.SessionReply(route_session_id=sid, accepted=accepted))
-        return True
-
-    def _cancelled_by_its_initiator(self, frame: pb.SessionFrame) -> bool:
-        """An early cancel binds only an open by the same initiator."""
-        canceller = self.early_cancellers.get(frame.route_session_id)
-        if canceller is None:
-            return True  # cancelled in-band or after its open
-        try:
-            return parse_open(frame.open.signed_open).initiator_node_id == canceller
-        except errors.MeshnodeError:
-            return True  # a forged open is refused anyway
-
-    def _check_live(self, session: HopSession, frame: pb.SessionFrame) -> None:
-        sid = session.session_id
-        if frame.route_session_id != sid:
-            raise errors.SessionError(f"frame for session {frame.route_session_id!r} on the stream of {sid!r}")
-        if sid in self.cancelled or sid not in self.sessions:
-            raise errors.CancelledError(f"session {sid} was cancelled or released")
-
-    async def _frame(self, session: HopSession, frame: pb.SessionFrame, context: _Writer) -> bool:
-        """Answer one control frame (cancel, release); False once the session is over."""
-        sid = session.session_id
-        kind = frame.WhichOneof("body")
-        try:
-            self._check_live(session, frame)
-            if kind == "cancel":
-                if not frame.cancel.work_id:
-                    session.detachable = False
-                await session.relay(frame)
-                if frame.cancel.work_id:
-                    session.cancelled_work.add(frame.cancel.work_id)
-                    reply = pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
-                        errors.CancelledError(f"work item {frame.cancel.work_id} cancelled"),
-                        hop=self.endpoint, terminal=False))
-                else:  # freed before the answer, as a release is: an initiator may hang up at once
-                    await session.close()
-                    await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
-                        errors.CancelledError("session cancelled"), hop=self.endpoint, terminal=True)))
-                    return False
-            elif kind == "release":
-                session.detachable = False
-                await session.relay(frame)
-                await session.close()
-                await context.write(pb.SessionReply(route_session_id=sid, released=True))
-                return False
-            else:
-                raise errors.SessionError(f"unexpected frame {kind!r} inside an open session")
-        except errors.MeshnodeError as e:
-            err = codec.error_to_pb(e, hop=self.endpoint)
-            await context.write(pb.SessionReply(route_session_id=sid, error=err))
-            return not err.terminal
-        except Exception as e:  # a bug: answer, log, keep serving others
-            log.exception("internal error in session %s", sid)
-            session.detachable = False
-            await context.write(pb.SessionReply(route_session_id=sid, error=codec.error_to_pb(
-                errors.MeshnodeError(f"internal error: {e!r}"), hop=self.endpoint, terminal=True)))
-            return False
-        await context.write(reply)
-        return True
+        await self.host.serve(_GrpcStream(context))
