@@ -1,4 +1,5 @@
-"""What a node has: CPU, memory, llama.cpp devices, and its range's measured throughput."""
+"""What a node has: CPU, memory, llama.cpp devices, its range's measured throughput, and the signed
+capability that says so."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ import statistics
 import time
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 
+from meshnode import __version__
 from meshnode.executor import _bindings
 from meshnode.executor._llama import LlamaRange
 from meshnode.executor.config import ExecConfig
+from meshnode.gguf.slicer import RangeArtifact, Role
+from meshnode.identity import NodeIdentity
+from meshnode.identity.attest import attest
 from meshnode.proto import node_pb2 as pb
+from meshnode.session.hop import HopLimits
+from meshnode.wire import codec
+from meshnode.wire.schema import SCHEMA_VERSION, SERVICE_NAME
 
 
 def _cpu_model() -> str:
@@ -115,3 +124,43 @@ def measure_throughput(rng: LlamaRange, *, prefill_tokens: int = 32, decode_step
         rng.release(seq)
     return pb.Throughput(decode_tokens_per_second=1.0 / statistics.median(decodes or [float("inf")]),
                          prefill_tokens_per_second=n / statistics.median(prefills))
+
+
+LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
+
+
+def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, ident: NodeIdentity,
+               *, now: int | None = None, hardware: pb.Hardware | None = None,
+               throughput: pb.Throughput | None = None, endpoints: list[str] | None = None,
+               insecure: bool = False) -> pb.Capability:
+    src = artifact.manifest["source"]
+    envelope = attest(ident, fingerprint=artifact.fingerprint, start=artifact.start, end=artifact.end,
+                      range_digest=artifact.range_digest, llama_build=LLAMA_BUILD,
+                      now=int(time.time()) if now is None else now)
+    return pb.Capability(
+        schema_version=SCHEMA_VERSION,
+        service=SERVICE_NAME,
+        node_version=__version__,
+        model_fingerprint=artifact.fingerprint,
+        model_name=src["name"],
+        model_file=Path(src["file"]).name,
+        arch=src["arch"],
+        n_layer=src["n_layer"],
+        n_embd=src["n_embd"],
+        range=pb.LayerRange(start=artifact.start, end=artifact.end),
+        range_digest=artifact.range_digest,
+        role=artifact.role.value,
+        has_vocab=artifact.role in (Role.TAIL, Role.WHOLE),
+        numerics=codec.numerics_to_pb(config),
+        limits=pb.FlowLimits(max_chunk_bytes=limits.max_chunk_bytes,
+                             max_prefill_chunk_tokens=min(limits.max_prefill_chunk_tokens, config.n_batch),
+                             credits=limits.credits),
+        max_sessions=config.max_sessions,
+        llama_build=LLAMA_BUILD,
+        node_id=ident.node_id,
+        attestation=envelope,
+        hardware=hardware,
+        throughput=throughput,
+        endpoints=endpoints or [],
+        insecure=insecure,
+    )

@@ -8,25 +8,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import llama_cpp
 import trio
 
-from meshnode import __version__, errors
-from meshnode.capabilities import hardware, measure_throughput
+from meshnode.capabilities import capability, hardware, measure_throughput
 from meshnode.discovery.tracker_client import run_heartbeat
 from meshnode.executor import ExecConfig, RangeExecutor
+from meshnode.gguf.cutchild import cut_in_child
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
-from meshnode.gguf.slicer import RangeArtifact, Role, cached_range
+from meshnode.gguf.slicer import RangeArtifact
 from meshnode.identity import NodeIdentity, load_or_create, tlscert
-from meshnode.identity.attest import attest
 from meshnode.proto import node_pb2 as pb
 from meshnode.runtime import RuntimeDir, node_state_dir
 from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
@@ -36,8 +30,6 @@ from meshnode.transport import security
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.server import check_listen, serve_grpc, split_hostport
 from meshnode.transport.servicer import NodeServicer
-from meshnode.wire import codec
-from meshnode.wire.schema import SCHEMA_VERSION, SERVICE_NAME
 
 log = logging.getLogger("meshnode.node")
 
@@ -78,69 +70,14 @@ class NodeConfig:
     insecure: bool = False
 
 
-LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
-
-
-def capability(artifact: RangeArtifact, config: ExecConfig, limits: HopLimits, ident: NodeIdentity,
-               *, now: int | None = None, hardware: pb.Hardware | None = None,
-               throughput: pb.Throughput | None = None, endpoints: list[str] | None = None,
-               insecure: bool = False) -> pb.Capability:
-    src = artifact.manifest["source"]
-    envelope = attest(ident, fingerprint=artifact.fingerprint, start=artifact.start, end=artifact.end,
-                      range_digest=artifact.range_digest, llama_build=LLAMA_BUILD,
-                      now=int(time.time()) if now is None else now)
-    return pb.Capability(
-        schema_version=SCHEMA_VERSION,
-        service=SERVICE_NAME,
-        node_version=__version__,
-        model_fingerprint=artifact.fingerprint,
-        model_name=src["name"],
-        model_file=Path(src["file"]).name,
-        arch=src["arch"],
-        n_layer=src["n_layer"],
-        n_embd=src["n_embd"],
-        range=pb.LayerRange(start=artifact.start, end=artifact.end),
-        range_digest=artifact.range_digest,
-        role=artifact.role.value,
-        has_vocab=artifact.role in (Role.TAIL, Role.WHOLE),
-        numerics=codec.numerics_to_pb(config),
-        limits=pb.FlowLimits(max_chunk_bytes=limits.max_chunk_bytes,
-                             max_prefill_chunk_tokens=min(limits.max_prefill_chunk_tokens, config.n_batch),
-                             credits=limits.credits),
-        max_sessions=config.max_sessions,
-        llama_build=LLAMA_BUILD,
-        node_id=ident.node_id,
-        attestation=envelope,
-        hardware=hardware,
-        throughput=throughput,
-        endpoints=endpoints or [],
-        insecure=insecure,
-    )
-
-
 def prepare(config: NodeConfig) -> RangeArtifact:
-    """Validate the model and range, cutting the range artifact if it is not cut yet.
-
-    The cut runs in a child process (``meshnode model slice``): parsing a GGUF's
-    metadata costs far more memory than serving a range, and a node's RSS should
-    be what it serves, not what it once parsed.
-    """
+    """Validate the flags, the model and the range, cutting the range artifact if it is not cut yet
+    (in a child process: gguf/cutchild.py)."""
     check_listen(config.listen)
     if config.metrics:
         split_hostport(config.metrics, "--metrics")
     check_file(config.model)
-    art = cached_range(config.model, config.start, config.end)
-    if art is not None:
-        return art
-    cmd = [sys.executable, "-m", "meshnode", "model", "slice", "--model", str(config.model),
-           "--layers", f"{config.start}:{config.end}"]
-    returncode, stderr = _run_streaming(cmd)
-    if returncode != 0:
-        raise _child_error(stderr)
-    art = cached_range(config.model, config.start, config.end)
-    if art is None:
-        raise errors.ModelError(f"cutting layers {config.start}:{config.end} left no artifact")
-    return art
+    return cut_in_child(config.model, config.start, config.end)
 
 
 def prepare_verified(config: NodeConfig) -> RangeArtifact:
@@ -148,29 +85,6 @@ def prepare_verified(config: NodeConfig) -> RangeArtifact:
     art = prepare(config)
     verify_artifact(art)
     return art
-
-
-def _run_streaming(cmd: list[str]) -> tuple[int, str]:
-    """Run the cutting child; its progress lines go on to our stderr as they come (a cut takes
-    seconds), its error lines are kept for ``_child_error``. Blocking."""
-    kept: list[str] = []
-    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            kept.append(line)
-            if line.startswith("meshnode: ") and not line.startswith("meshnode: error:"):
-                sys.stderr.write(line)
-                sys.stderr.flush()
-    return proc.returncode, "".join(kept[-50:])
-
-
-def _child_error(stderr: str) -> errors.MeshnodeError:
-    """Rebuild the typed error a ``meshnode`` child printed as ``meshnode: error: CODE: msg``."""
-    for line in reversed(stderr.splitlines()):
-        m = re.match(r"meshnode: error: ([A-Z_]+): (.*)", line)
-        if m:
-            return errors.from_code(m.group(1), m.group(2))
-    return errors.ModelError(f"cutting the range failed: {stderr.strip()[-400:]}")
 
 
 async def run_node(config: NodeConfig, *, stop: trio.Event | None = None,
