@@ -1,5 +1,6 @@
-"""gRPC adapted to trio: the node's server and the clients of other nodes.
+"""gRPC, and only here: the node's server and service (servicer.py: handed the sessions it serves), the
+clients of other nodes (client.py, stream.py), TLS pinned to node ids (security.py).
 
-grpc has no trio support; its asyncio API (grpc.aio) runs on a trio-asyncio
-loop inside trio (docs/architecture.md, "the bridge").
+grpc.aio runs on an asyncio loop of the node's own thread (aiothread.py), which trio reaches through
+one bridge (docs/architecture.md, "the bridge").
 """
