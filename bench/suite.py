@@ -12,6 +12,11 @@ Sections (``--only`` picks some), each printing both sides' figures, thread coun
   2048-token prompt >= 1.5 x faster than the whole model.
 * **batched** -- 8 concurrent sessions, unpinned: route aggregate decode >= 0.90 x the whole model
   batched at its best thread count.
+* **bundles** -- 8 concurrent sessions through a route whose head sends the sessions' frames to the tail in
+  bundles on one link (the default) and through one whose head sends each session on a stream of its own
+  (``--no-link``), in turn, unpinned and pinned (a core per node): aggregate decode, and how many
+  frames a link message carried (the tail's metrics). Target (unpinned): route with links >= 0.90 x the whole
+  model batched at its best thread count.
 * **tls** -- what TLS costs: the pinned route's single-session decode through ``meshnode generate`` with
   TLS (the default) and with ``--insecure`` (nodes and client), the two routes measured in turn,
   ``--runs`` rounds. Target: with TLS >= 0.97 x without.
@@ -44,7 +49,7 @@ from typing import Any
 
 from bench import paths
 
-SECTIONS = ("one-machine", "pinned", "batched", "tls", "audit", "link", "tracker", "memory")
+SECTIONS = ("one-machine", "pinned", "batched", "bundles", "tls", "audit", "link", "tracker", "memory")
 #: copies of route_bench's paragraph in the prefill prompt: 2,055 tokens, just over 2,048
 PREFILL_REPEAT = 26
 
@@ -251,6 +256,55 @@ def batched(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     return {"whole_by_threads": by_t, "route": routes, "load": load()}
 
 
+def _link_counts(node: Any) -> tuple[float, float]:
+    """The link messages and session frames ``node`` received (its --metrics)."""
+    import re
+    import urllib.request
+
+    url = json.loads((node.state_dir / "node.json").read_text())["metrics"]
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    got = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+    return (got.get('meshnode_link_messages_total{direction="in"}', 0.0),
+            got.get('meshnode_link_entries_total{direction="in"}', 0.0))
+
+
+def bundles(model: Path, runs: int, rep: Report) -> dict[str, Any]:
+    from bench.batch_bench import run_route
+    from meshnode.launch import local_route
+
+    print(f"\n== 8 sessions: frames bundled on a link, and a stream each (--no-link), in turn (load average "
+          f"{load()})", flush=True)
+    cores = len(os.sched_getaffinity(0))
+    wholes = {t: statistics.median(paths.whole_batched(model, 8, t, 64)["tps"] for _ in range(runs))
+              for t in range(1, cores + 1)}
+    best = max(wholes, key=lambda t: wholes[t])
+    ids = paths.whole_batched(model, 8, best, 4)["ids"]
+    out: dict[str, Any] = {"whole_by_threads": wholes}
+    extra = ["--ctx-size", "512", "--max-sessions", "8", "--metrics", "127.0.0.1:0"]
+    for placement, cpus in (("unpinned", []), ("pinned", [[0], [1]])):
+        with (local_route(model, ["0:15", "15:30"], extra=extra, cpus=cpus) as linked,
+              local_route(model, ["0:15", "15:30"], extra=[*extra, "--no-link"], cpus=cpus) as separate):
+            a, b = [n.endpoint for n in linked], [n.endpoint for n in separate]
+            run_route(a, ids, [8], 4, warm=True)
+            run_route(b, ids, [8], 4, warm=True)
+            m0 = _link_counts(linked[1])
+            with pinned_here({0}) if cpus else contextlib.nullcontext():
+                on, off = in_turn(runs, lambda a=a: [run_route(a, ids, [8], 64)["by_n"]["8"]["tps"]],
+                                  lambda b=b: [run_route(b, ids, [8], 64)["by_n"]["8"]["tps"]])
+            m1 = _link_counts(linked[1])
+        per = (m1[1] - m0[1]) / max(m1[0] - m0[0], 1.0)
+        x, y = statistics.median(on), statistics.median(off)
+        print(f"  {placement}: bundled {x:.1f} tok/s {[round(v, 1) for v in on]}; a stream each {y:.1f} tok/s "
+              f"{[round(v, 1) for v in off]}; {per:.2f} session frames a link message", flush=True)
+        rep.add(f"{placement}: 8 sessions, bundled / a stream each", x, y, "tok/s", 0.0,
+                note=f"({per:.2f} frames a link message; no target)")
+        out[placement] = {"bundled": on, "separate": off, "frames_per_message": per}
+    rep.add("one machine: 8 sessions bundled, aggregate decode", statistics.median(out["unpinned"]["bundled"]),
+            wholes[best], "tok/s", 0.90, note=f"(whole batched at {best} threads; nodes at their defaults)")
+    out["load"] = load()
+    return out
+
+
 def memory(rep: Report) -> dict[str, Any]:
     from bench import memory_bench
 
@@ -293,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench import link_bench, tracker_bench
 
             out[name] = {"one-machine": one_machine, "pinned": pinned, "batched": batched,
-                         "tls": tls, "audit": audit, "link": link_bench.run,
+                         "tls": tls, "audit": audit, "bundles": bundles, "link": link_bench.run,
                          "tracker": tracker_bench.run}[name](model, ns.runs, rep)
     rep.print()
     print("load averages at each section's end: "

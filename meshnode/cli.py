@@ -75,7 +75,8 @@ def _hop_limits(ns: argparse.Namespace) -> HopLimits:
         raise errors.InputError(f"--max-opens-per-minute must be above 0, not {rate:g}")
     if detached < 0:
         raise errors.InputError(f"--max-detached must be at least 1, not {detached}")
-    return HopLimits(opens_per_minute=rate, opens_burst=min(base.opens_burst, max(1.0, rate)), max_detached=detached)
+    return HopLimits(opens_per_minute=rate, opens_burst=min(base.opens_burst, max(1.0, rate)), max_detached=detached,
+                     link=not getattr(ns, "no_link", False))
 
 
 def _add_node_choice(p: argparse.ArgumentParser, which: str) -> None:
@@ -577,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sessions one initiator may open here per minute, after a burst of 60 (default 600)")
         p.add_argument("--max-detached", type=int, metavar="N",
                        help="broken sessions kept for a resume at once (default: --max-sessions)")
+        p.add_argument("--no-link", action="store_true",
+                       help="a Session stream of its own to the next hop for each session, not one link bundling "
+                            "them (for comparison: docs/protocol.md, \"Links\")")
         if name == "join":
             p.add_argument("--auto", action="store_true", help="take the range whose coverage is weakest")
             p.add_argument("--span", type=int, help="with --auto: layers to take (default: half the model)")

@@ -40,12 +40,21 @@ class NodeMetrics:
         self.bytes_in = Counter("meshnode_bytes_in_total", "Session stream bytes received", registry=reg)
         self.bytes_out = Counter("meshnode_bytes_out_total", "Session stream bytes sent", registry=reg)
         self.errors = Counter("meshnode_errors_total", "Errors answered, by error code", ["code"], registry=reg)
+        self.link_messages = Counter("meshnode_link_messages_total", "Link messages, by direction (in|out)",
+                                     ["direction"], registry=reg)
+        self.link_entries = Counter("meshnode_link_entries_total", "Session frames and replies carried in link "
+                                    "messages, by direction (in|out)", ["direction"], registry=reg)
         ProcessCollector(registry=reg)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition (text format, or OpenMetrics if ``accept`` asks for it) and its content type."""
         encode, content_type = choose_encoder(accept)
         return encode(self.registry), content_type
+
+    def link(self, direction: str, entries: int) -> None:
+        """One link message of ``entries`` session frames (in) or replies (out)."""
+        self.link_messages.labels(direction=direction).inc()
+        self.link_entries.labels(direction=direction).inc(entries)
 
     def tokens_total(self) -> int:
         return int(_sum(self.tokens, "_total"))

@@ -74,6 +74,7 @@ from meshnode.wire.tensors import decode_bundle, encode_bundle
 from tests.conftest import PROMPT
 
 SESSION_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Node'].full_name}/Session"
+LINK_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Node'].full_name}/Link"
 #: SmolLM2's vocabulary: the head's token-id bound and the tail's logits width
 N_VOCAB = 49152
 #: a node that does not answer within this is hung (only reached when something is wrong)
@@ -87,7 +88,7 @@ MAX_WINDOW = 1 << 16
 #: examples per property (MESHNODE_FUZZ_EXAMPLES overrides them all)
 TAIL_EXAMPLES, HEAD_EXAMPLES, OPEN_EXAMPLES = 160, 120, 150
 RAW_EXAMPLES, RAW_SESSION_EXAMPLES, BUG_EXAMPLES, CODEC_EXAMPLES = 250, 150, 30, 1500
-OUTPUTS_EXAMPLES = 120
+OUTPUTS_EXAMPLES, LINK_EXAMPLES = 120, 120
 _EXAMPLES = os.environ.get("MESHNODE_FUZZ_EXAMPLES")
 _SEED = os.environ.get("MESHNODE_FUZZ_SEED")
 
@@ -911,7 +912,8 @@ async def _nodes_are_well(fz: Fuzz) -> None:
             if "raised by servicer method" in line:
                 assert "Unexpected [DecodeError]" in line, f"{n.endpoint}: a handler raised: {line}"
             if "Error parsing message with type" in line:
-                assert "'meshnode.v1.SessionFrame'" in line, f"{n.endpoint}: a handler raised: {line}"
+                assert "'meshnode.v1.SessionFrame'" in line or "'meshnode.v1.LinkFrame'" in line, \
+                    f"{n.endpoint}: a handler raised: {line}"
 
 
 def _logs(fz: Fuzz) -> str:
@@ -1454,6 +1456,105 @@ async def test_fuzz_outputs_requests(node_factory):
     action's, another session's, a stale one, garbage envelopes, unknown sessions; random ranges."""
     fz = await run_live(node_factory, lambda fz: fuzz_outputs(fz, OUTPUTS_EXAMPLES))
     assert fz.sent >= examples(OUTPUTS_EXAMPLES)
+
+
+# -- links: many sessions' frames in one message (transport/link.py) ---------------------------
+
+
+def _link_entry(data: st.DataObject, fz: Fuzz, target: Node) -> pb.LinkEntry:
+    d = data.draw
+    number = d(st.one_of(st.integers(1, 4), st.integers(0, UINT64)), label="stream")
+    kind = d(st.sampled_from(["open", "forged-open", "step", "release", "close", "empty"]), label="entry")
+    sid = str(uuid.uuid4())
+    if kind == "close":
+        return pb.LinkEntry(stream=number, close=True)
+    if kind == "empty":
+        return pb.LinkEntry(stream=number)
+    if kind in ("open", "forged-open"):
+        frame = build_open(sid, fz.route(target), NodeIdentity.generate())[0]
+        if kind == "forged-open":
+            frame.open.signed_open.payload = d(st.binary(max_size=80))
+    elif kind == "step":
+        frame = pb.SessionFrame(route_session_id=sid, route_epoch=1, step=pb.Step(step_id=1, tokens=[1, 2]))
+    else:
+        frame = pb.SessionFrame(route_session_id=sid, route_epoch=1, release=pb.ReleaseSignal())
+    return pb.LinkEntry(stream=number, frame=frame)
+
+
+async def link_call(fz: Fuzz, target: Node, messages: list[bytes]) -> tuple[list[pb.LinkReply], Ended]:
+    """One Link call: the messages, a half-close, then every reply to the end."""
+    call = target.channel.stream_stream(LINK_METHOD, request_serializer=None, response_deserializer=None)()
+    replies: list[pb.LinkReply] = []
+    try:
+        for m in messages:
+            fz.counted()
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await call.write(m)
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await call.done_writing()
+        while True:
+            try:
+                raw = await asyncio.wait_for(call.read(), REPLY_TIMEOUT)
+            except TimeoutError:
+                raise AssertionError(f"{target.endpoint}: a link gave no answer within {REPLY_TIMEOUT}s") from None
+            except grpc.aio.AioRpcError as e:
+                return replies, Ended(e.code(), e.details() or "")
+            if raw is grpc.aio.EOF:
+                return replies, Ended(await call.code(), await call.details() or "")
+            replies.append(pb.LinkReply.FromString(raw))
+    finally:
+        call.cancel()
+
+
+def check_link(sent: list[pb.LinkFrame | None], replies: list[pb.LinkReply], end: Ended) -> None:
+    """Every answer is typed and for a stream that was sent a frame; a stream's last entry is its end."""
+    fed = {e.stream for m in sent if m is not None for e in m.entries if e.HasField("frame") and not e.close}
+    last: dict[int, pb.LinkReplyEntry] = {}
+    for r in replies:
+        for e in r.entries:
+            assert e.stream in fed, f"an answer for stream {e.stream}, which was sent no frame"
+            if e.HasField("reply"):
+                check_typed(e.reply)
+                assert e.reply.WhichOneof("body") in ("accepted", "error", "released"), show(e.reply)
+            last[e.stream] = e
+    if None not in sent and all(len(m.entries) <= 1024 for m in sent if m is not None):
+        assert end.code == grpc.StatusCode.OK, show(end)
+        assert set(last) == fed, f"streams without an end: {fed - set(last)}"
+        assert all(e.ended for e in last.values()), [str(e) for e in last.values() if not e.ended]
+
+
+def fuzz_links(fz: Fuzz, max_examples: int) -> None:
+    @fuzz(max_examples)
+    @given(st.data())
+    def prop(data: st.DataObject) -> None:
+        d = data.draw
+        target = d(st.sampled_from([fz.tail, fz.head]), label="target")
+        sent: list[pb.LinkFrame | None] = []
+        blobs: list[bytes] = []
+        for _ in range(d(st.integers(1, 3), label="messages")):
+            msg = pb.LinkFrame(entries=[_link_entry(data, fz, target) for _ in range(d(st.integers(0, 6)))])
+            if d(st.integers(0, 9), label="garbage?") == 0:
+                blob = _blobs(data, msg.SerializeToString())
+                try:
+                    parsed: pb.LinkFrame | None = pb.LinkFrame.FromString(blob)
+                except DecodeError:
+                    parsed = None
+                sent.append(parsed)
+                blobs.append(blob)
+            else:
+                sent.append(msg)
+                blobs.append(msg.SerializeToString())
+        replies, end = fz.call(link_call, fz, target, blobs)
+        check_link(sent, replies, end)
+
+    prop()
+
+
+async def test_fuzz_links(node_factory):
+    """Link calls with opens (valid and forged), steps and releases of unknown sessions, hang-ups, empty
+    entries, reused and huge stream numbers, and garbage in place of a LinkFrame."""
+    fz = await run_live(node_factory, lambda fz: fuzz_links(fz, LINK_EXAMPLES))
+    assert fz.sent >= examples(LINK_EXAMPLES)
 
 
 # -- properties the fuzz found broken, kept as regressions -------------------------------------

@@ -2139,3 +2139,103 @@ class TokenizeReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenizeReply: _TypeAlias = TokenizeReply  # noqa: Y015
+
+@_typing.final
+class LinkEntry(_message.Message):
+    """-- Link: Session streams between two hops, bundled ------------------------------------------------
+
+    A virtual stream is what one Session stream would be: its first frame opens a session, every frame
+    gets one reply, in order. The sender numbers its virtual streams (never reusing a number on a link);
+    ``close`` hangs one up (as cancelling a Session call does); the receiver says ``ended`` once a virtual
+    stream is over on its side (as a Session call's end).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    FRAME_FIELD_NUMBER: _builtins.int
+    CLOSE_FIELD_NUMBER: _builtins.int
+    stream: _builtins.int
+    close: _builtins.bool
+    @_builtins.property
+    def frame(self) -> Global___SessionFrame: ...
+    def __init__(
+        self,
+        *,
+        stream: _builtins.int = ...,
+        frame: Global___SessionFrame | None = ...,
+        close: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "frame", b"frame", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkEntry: _TypeAlias = LinkEntry  # noqa: Y015
+
+@_typing.final
+class LinkFrame(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___LinkEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkFrame: _TypeAlias = LinkFrame  # noqa: Y015
+
+@_typing.final
+class LinkReplyEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    REPLY_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    stream: _builtins.int
+    ended: _builtins.bool
+    @_builtins.property
+    def reply(self) -> Global___SessionReply: ...
+    def __init__(
+        self,
+        *,
+        stream: _builtins.int = ...,
+        reply: Global___SessionReply | None = ...,
+        ended: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "reply", b"reply", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkReplyEntry: _TypeAlias = LinkReplyEntry  # noqa: Y015
+
+@_typing.final
+class LinkReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkReplyEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___LinkReplyEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkReply: _TypeAlias = LinkReply  # noqa: Y015

@@ -69,6 +69,11 @@ class NodeStub:
                 request_serializer=meshnode_dot_proto_dot_node__pb2.OutputsRequest.SerializeToString,
                 response_deserializer=meshnode_dot_proto_dot_node__pb2.OutputsReply.FromString,
                 _registered_method=True)
+        self.Link = channel.stream_stream(
+                '/meshnode.v1.Node/Link',
+                request_serializer=meshnode_dot_proto_dot_node__pb2.LinkFrame.SerializeToString,
+                response_deserializer=meshnode_dot_proto_dot_node__pb2.LinkReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -124,6 +129,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Link(self, request_iterator, context):
+        """Many Session streams between two hops as one: each message bundles what several sessions' streams
+        send at once (a batch's residuals), each entry tagged with the virtual stream it belongs to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +174,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Outputs,
                     request_deserializer=meshnode_dot_proto_dot_node__pb2.OutputsRequest.FromString,
                     response_serializer=meshnode_dot_proto_dot_node__pb2.OutputsReply.SerializeToString,
+            ),
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=meshnode_dot_proto_dot_node__pb2.LinkFrame.FromString,
+                    response_serializer=meshnode_dot_proto_dot_node__pb2.LinkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +370,33 @@ class Node:
             '/meshnode.v1.Node/Outputs',
             meshnode_dot_proto_dot_node__pb2.OutputsRequest.SerializeToString,
             meshnode_dot_proto_dot_node__pb2.OutputsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshnode.v1.Node/Link',
+            meshnode_dot_proto_dot_node__pb2.LinkFrame.SerializeToString,
+            meshnode_dot_proto_dot_node__pb2.LinkReply.FromString,
             options,
             channel_credentials,
             insecure,

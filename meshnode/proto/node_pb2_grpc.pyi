@@ -65,6 +65,10 @@ class NodeStub:
     """The residual rows a non-tail hop sent on for a session's chunks (its replay store): what an
     audit feeds a replica of the next hop. Only for the session's initiator (a signed order).
     """
+    Link: _grpc.StreamStreamMultiCallable[_node_pb2.LinkFrame, _node_pb2.LinkReply]
+    """Many Session streams between two hops as one: each message bundles what several sessions' streams
+    send at once (a batch's residuals), each entry tagged with the virtual stream it belongs to.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -84,6 +88,10 @@ class NodeAsyncStub(NodeStub):
     Outputs: _aio.UnaryUnaryMultiCallable[_node_pb2.OutputsRequest, _node_pb2.OutputsReply]  # type: ignore[assignment]
     """The residual rows a non-tail hop sent on for a session's chunks (its replay store): what an
     audit feeds a replica of the next hop. Only for the session's initiator (a signed order).
+    """
+    Link: _aio.StreamStreamMultiCallable[_node_pb2.LinkFrame, _node_pb2.LinkReply]  # type: ignore[assignment]
+    """Many Session streams between two hops as one: each message bundles what several sessions' streams
+    send at once (a batch's residuals), each entry tagged with the virtual stream it belongs to.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -143,6 +151,16 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_node_pb2.OutputsReply, _abc.Awaitable[_node_pb2.OutputsReply]]:
         """The residual rows a non-tail hop sent on for a session's chunks (its replay store): what an
         audit feeds a replica of the next hop. Only for the session's initiator (a signed order).
+        """
+
+    @_abc_1.abstractmethod
+    def Link(
+        self,
+        request_iterator: _MaybeAsyncIterator[_node_pb2.LinkFrame],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_node_pb2.LinkReply], _abc.AsyncIterator[_node_pb2.LinkReply]]:
+        """Many Session streams between two hops as one: each message bundles what several sessions' streams
+        send at once (a batch's residuals), each entry tagged with the virtual stream it belongs to.
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

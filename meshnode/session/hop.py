@@ -51,6 +51,7 @@ from meshnode.session.admission import Recent
 from meshnode.session.flow import Flow
 from meshnode.session.sampling import SamplingParams
 from meshnode.session.sampling import from_pb as sampling_from_pb
+from meshnode.transport.link import link_stream
 from meshnode.transport.stream import FrameStream
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
@@ -80,6 +81,8 @@ class HopLimits:
     max_detached: int = 0
     #: times a stream may send a step or a grant beyond its credits (refused each time) before it is cut
     max_overruns: int = 8
+    #: sessions' streams to the next hop share one link (transport/link.py), not a Session call each
+    link: bool = True
 
 
 def negotiate(a: pb.FlowLimits, b: pb.FlowLimits) -> pb.FlowLimits:
@@ -261,7 +264,9 @@ class HopSession:
         nxt_open = parse_open(nxt.signed_open)  # the next hop checks it in full; this one needs it whole
         if nxt_open.initiator_node_id != self.route_open.initiator_node_id:
             raise errors.OpenForgedError("the next hop's open is signed by another initiator")
-        self.downstream = FrameStream(nxt.endpoint, nxt_open.hop_node_id)  # TLS pinned to the node the open names
+        # TLS pinned to the node the open names
+        self.downstream = (link_stream(nxt.endpoint, nxt_open.hop_node_id) if self.limits.link
+                           else FrameStream(nxt.endpoint, nxt_open.hop_node_id))
         fwd = pb.SessionOpen()
         fwd.CopyFrom(o)
         fwd.range.CopyFrom(nxt.range)

@@ -17,8 +17,10 @@ from google.protobuf.message import DecodeError
 
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
+from meshnode.metrics import NodeMetrics
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.transport.link import InboundStream, serve_link
 
 
 class _GrpcStream:
@@ -54,7 +56,10 @@ class Host(Protocol):
 
     def outputs(self, request: pb.OutputsRequest) -> pb.OutputsReply: ...
 
-    async def serve(self, stream: _GrpcStream) -> None: ...
+    async def serve(self, stream: _GrpcStream | InboundStream) -> None: ...
+
+    @property
+    def metrics(self) -> NodeMetrics: ...
 
 
 async def _abort(context: Any, status: grpc.StatusCode, e: errors.MeshnodeError) -> NoReturn:
@@ -114,3 +119,8 @@ class NodeServicer(pb_grpc.NodeServicer):
 
     async def Session(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
         await self.host.serve(_GrpcStream(context))
+
+    async def Link(self, request_iterator: Any, context: Any) -> None:  # type: ignore[override]
+        """Many Session streams from one hop as one call (transport/link.py)."""
+        m = self.host.metrics
+        await serve_link(context, self.host.serve, lambda direction, n: m.link(direction, n))
