@@ -198,6 +198,8 @@ class Link:
         self._streams: dict[int, LinkStream] = {}
         self._next = 0
         self.broken: errors.MeshnodeError | None = None
+        #: a stream on it waited in vain (the peer silent: a partition?): new sessions take a new link
+        self.stale = False
 
     def stream(self) -> LinkStream:
         self._next += 1
@@ -223,6 +225,8 @@ class Link:
 
     def forget(self, number: int) -> None:
         self._streams.pop(number, None)
+        if self.stale and not self._streams and self._call is not None:
+            self._call.cancel()  # nobody uses it any more: its reader ends, the channel closes
 
     async def _read(self) -> None:
         why: errors.MeshnodeError = errors.PeerError("the link was closed", hop=self.endpoint)
@@ -275,6 +279,13 @@ class LinkStream(FrameStream):
             raise self._over or errors.PeerError("the session stream was closed", hop=self.endpoint)
         await self._link.post(pb.LinkEntry(stream=self._number, frame=frame))
 
+    async def wait(self, fut: asyncio.Future[pb.SessionReply], timeout: float | None) -> pb.SessionReply:
+        try:
+            return await super().wait(fut, timeout)
+        except errors.DeadlineError:
+            self._link.stale = True  # its connection may be dead without a word (a partition)
+            raise
+
     async def read(self, timeout: float | None) -> pb.SessionReply:
         if self._over is not None:
             raise self._over
@@ -310,9 +321,9 @@ _LINKS: dict[tuple[int, str, str | None], Link] = {}
 
 def link_stream(endpoint: str, node_id: str | None) -> LinkStream:
     """A new session's stream to ``endpoint`` (pinned to ``node_id``) on this loop's link to it (a new
-    link if there is none yet or it broke)."""
+    link if there is none yet, it broke, or a stream on it waited in vain)."""
     key = (id(asyncio.get_running_loop()), endpoint, node_id)
     link = _LINKS.get(key)
-    if link is None or link.broken is not None:
+    if link is None or link.broken is not None or link.stale:
         link = _LINKS[key] = Link(endpoint, node_id)
     return link.stream()
