@@ -68,18 +68,21 @@ class Timed:
     batch_size: int = 1
 
 
-def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
+def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int, most: int = 0) -> list[int]:
     """Indices of the queued chunks ``[(seq, n_tokens)]`` (oldest first) to run as one batch.
 
     The oldest always runs; later chunks of other sessions join while the
     batch stays ``batchable`` (equal lengths within one micro-batch), so no
-    session waits behind a batch it could not join for longer than one step.
+    session waits behind a batch it could not join for longer than one step;
+    ``most`` (0: no bound) chunks at the most.
     """
     if not pending:
         return []
     seq0, n0 = pending[0]
     chosen, seqs, lengths = [0], {seq0}, [n0]
     for i, (seq, n) in enumerate(pending[1:], start=1):
+        if most and len(chosen) >= most:
+            break
         if seq in seqs or not batchable([*lengths, n], n_ubatch):
             continue
         chosen.append(i)
@@ -129,6 +132,9 @@ def _awaitable(cfut: concurrent.futures.Future[T], loop: asyncio.AbstractEventLo
 class _Job:
     chunk: Chunk
     future: concurrent.futures.Future[Timed]
+    #: groups the sessions should compute in (the hops from here to the tail): decode batches are cut to
+    #: live sessions / groups, so this hop computes one group while the hops after it compute the others
+    groups: int = 1
 
 
 class RangeExecutor:
@@ -230,9 +236,9 @@ class RangeExecutor:
         return self._range.next_pos(slot)
 
     async def forward(self, slot: int, pos0: int, *, tokens: npt.NDArray[np.int32] | None = None,
-                      embd: F32 | None = None) -> Timed:
-        """Queue one chunk of one session; resolves when its batch has run."""
-        job = _Job(Chunk(slot, pos0, tokens, embd), concurrent.futures.Future())
+                      embd: F32 | None = None, groups: int = 1) -> Timed:
+        """Queue one chunk of one session; resolves when its batch has run. ``groups``: see ``_Job``."""
+        job = _Job(Chunk(slot, pos0, tokens, embd), concurrent.futures.Future(), max(groups, 1))
         loop = asyncio.get_running_loop()
         with self._lock:
             self._queue.append(job)
@@ -252,7 +258,10 @@ class RangeExecutor:
         # a chunk whose waiter was cancelled before it started never runs (its future
         # is cancelled and could take no result)
         self._queue = [j for j in self._queue if not j.future.cancelled()]
-        idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch)
+        groups = max((j.groups for j in self._queue), default=1)
+        decode = all(self._rows(j.chunk) == 1 for j in self._queue)
+        most = -(-self.live_slots // groups) if groups > 1 and decode else 0
+        idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch, most)
         picked = [self._queue[i] for i in idx]
         for i in sorted(idx, reverse=True):
             del self._queue[i]

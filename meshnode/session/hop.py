@@ -157,6 +157,8 @@ class HopSession:
     task: asyncio.Task[object] | None = None
     #: an audit session (RouteOpen.audit): fed by the initiator, answers with seals, forwards nothing
     audit: bool = False
+    #: hops from this one to the tail: the groups its decode steps are computed in (executor/api.py _Job)
+    groups: int = 1
     #: steps computed in this session (LIE_EVERY counts them)
     computed: int = 0
 
@@ -215,6 +217,7 @@ class HopSession:
         hops = [cap]
         acceptances = [accept(self.ident, self.route_open)]
         cached = [self.executor.next_pos(self.slot)]
+        self.groups = 1 + len(o.downstream)
         if o.downstream:
             accepted = await self._open_downstream(o)
             self.negotiated = negotiate(self.negotiated, accepted.limits)
@@ -352,7 +355,7 @@ class HopSession:
         if n > self.negotiated.max_prefill_chunk_tokens:
             raise errors.ShapeError(f"step carries {n} tokens; the negotiated maximum is "
                                     f"{self.negotiated.max_prefill_chunk_tokens}")
-        timed = await ex.forward(self.slot, n_past, tokens=tokens, embd=embd)
+        timed = await ex.forward(self.slot, n_past, tokens=tokens, embd=embd, groups=self.groups)
         timing = pb.HopTiming(endpoint=self.endpoint, compute_nanos=timed.compute_nanos, n_tokens=n,
                               bytes_in=s.activation.total_bytes if embd is not None else 4 * n)
         out = timed.output
