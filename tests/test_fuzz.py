@@ -1503,7 +1503,10 @@ async def link_call(fz: Fuzz, target: Node, messages: list[bytes]) -> tuple[list
                 return replies, Ended(await call.code(), await call.details() or "")
             replies.append(pb.LinkReply.FromString(raw))
     finally:
-        call.cancel()
+        if not call.done():
+            call.cancel()
+            with contextlib.suppress(Exception):  # over on this loop, not after it (grpc's poller is global)
+                await call.code()
 
 
 def check_link(sent: list[pb.LinkFrame | None], replies: list[pb.LinkReply], end: Ended) -> None:

@@ -121,7 +121,7 @@ async def _to_end(call: object) -> list[pb.LinkReply]:
     return out
 
 
-async def _bounds(proc: object) -> tuple[list[pb.LinkReply], list[pb.LinkReply]]:
+async def _bounds(proc: object) -> tuple[list[pb.LinkReply], list[pb.LinkReply], list[pb.LinkReply]]:
     """Two Link calls to a one-slot tail: (1) a session on stream 1 holds the slot, 1,023 more opens wait
     for it, and one stream more is refused by the link's bound; (2) a message of 1,025 entries."""
     node = await _connect(proc)  # type: ignore[arg-type]
@@ -139,7 +139,13 @@ async def _bounds(proc: object) -> tuple[list[pb.LinkReply], list[pb.LinkReply]]
         call = node.stub.Link()
         await call.write(pb.LinkFrame(entries=[pb.LinkEntry(stream=1, frame=first)]))
         await call.write(pb.LinkFrame(entries=[pb.LinkEntry(stream=n) for n in range(MAX_ENTRIES + 1)]))
-        return got, await _to_end(call)
+        cut = await _to_end(call)
+        # a stream hung up in the message that started it (its task cancelled before it ran) still ends
+        call = node.stub.Link()
+        step = pb.SessionFrame(route_session_id="x", step=pb.Step(step_id=1, tokens=[1]))
+        await call.write(pb.LinkFrame(entries=[pb.LinkEntry(stream=7, frame=step), pb.LinkEntry(stream=7, close=True)]))
+        await call.done_writing()
+        return got, cut, await _to_end(call)
     finally:
         await node.channel.close()
 
@@ -147,7 +153,7 @@ async def _bounds(proc: object) -> tuple[list[pb.LinkReply], list[pb.LinkReply]]
 async def test_a_link_bounds_its_streams_and_its_messages(node_factory):
     tail = await trio.to_thread.run_sync(lambda: node_factory("15:30", extra=("--max-sessions", "1")))
     with trio.fail_after(120):
-        got, cut = await aio(_bounds, tail)
+        got, cut, hung_up = await aio(_bounds, tail)
     entries = [e for r in got for e in r.entries]
     assert entries[0].stream == 1
     assert entries[0].reply.HasField("accepted")
@@ -163,6 +169,7 @@ async def test_a_link_bounds_its_streams_and_its_messages(node_factory):
         assert all(pb.ErrorCode.Name(e.reply.error.code) == "RESOURCE_EXHAUSTED" for e in mine[:-1]), mine
     # a message over MAX_ENTRIES cuts the link: the session on it is hung up (detached, its KV kept)
     assert [e.stream for r in cut for e in r.entries if e.ended] == [1]
+    assert [(e.stream, e.ended) for r in hung_up for e in r.entries] == [(7, True)]
     h = await aio(health, tail.endpoint, 10.0)
     assert h.serving
     assert h.live_sessions == h.detached_sessions

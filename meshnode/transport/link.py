@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
@@ -119,6 +120,10 @@ class InboundStream:
         return True
 
 
+def _ended_task(ended: Callable[[InboundStream], None], vs: InboundStream, task: asyncio.Task[None]) -> None:
+    ended(vs)
+
+
 async def serve_link(context: Any, serve: Callable[[InboundStream], Awaitable[None]],
                      counted: Callable[[str, int], None] = lambda direction, n: None) -> None:
     """A Link call's server end: each virtual stream served by ``serve`` (the session host's) in a task
@@ -128,14 +133,12 @@ async def serve_link(context: Any, serve: Callable[[InboundStream], Awaitable[No
         context.write, lambda es: pb.LinkReply(entries=es), lambda n: counted("out", n))
     streams: dict[int, InboundStream] = {}
 
-    async def run(vs: InboundStream) -> None:
-        try:
-            await serve(vs)
-        finally:
-            if streams.get(vs.number) is vs:
-                del streams[vs.number]
-            with contextlib.suppress(errors.PeerError):
-                out.post(pb.LinkReplyEntry(stream=vs.number, ended=True))
+    def ended(vs: InboundStream) -> None:
+        """A virtual stream is over (served to its end, or cancelled, even before it started)."""
+        if streams.get(vs.number) is vs:
+            del streams[vs.number]
+        with contextlib.suppress(errors.PeerError):
+            out.post(pb.LinkReplyEntry(stream=vs.number, ended=True))
 
     try:
         while True:
@@ -167,7 +170,8 @@ async def serve_link(context: Any, serve: Callable[[InboundStream], Awaitable[No
                                 message=f"this link carries {MAX_LINK_STREAMS} streams already"))))
                         continue
                     vs = streams[e.stream] = InboundStream(e.stream, out)
-                    vs.task = asyncio.ensure_future(run(vs))
+                    vs.task = asyncio.ensure_future(serve(vs))
+                    vs.task.add_done_callback(functools.partial(_ended_task, ended, vs))
                 if not vs.feed(e.frame) and vs.task is not None:
                     log.warning("link stream %d let %d frames wait unread: it is cut", e.stream, MAX_QUEUED)
                     vs.task.cancel()
