@@ -15,7 +15,8 @@ Sections (``--only`` picks some), each printing both sides' figures, thread coun
 * **bundles** -- 8 concurrent sessions through a route whose head sends the sessions' frames to the tail in
   bundles on one link (the default) and through one whose head sends each session on a stream of its own
   (``--no-link``), in turn, unpinned and pinned (a core per node): aggregate decode, and how many
-  frames a link message carried (the tail's metrics). Target (unpinned): route with links >= 0.90 x the whole
+  frames a link message carried (the tail's metrics); and one session's pinned decode through
+  ``meshnode generate`` on each. Target (unpinned): route with links >= 0.90 x the whole
   model batched at its best thread count.
 * **tls** -- what TLS costs: the pinned route's single-session decode through ``meshnode generate`` with
   TLS (the default) and with ``--insecure`` (nodes and client), the two routes measured in turn,
@@ -299,6 +300,17 @@ def bundles(model: Path, runs: int, rep: Report) -> dict[str, Any]:
         rep.add(f"{placement}: 8 sessions, bundled / a stream each", x, y, "tok/s", 0.0,
                 note=f"({per:.2f} frames a link message; no target)")
         out[placement] = {"bundled": on, "separate": off, "frames_per_message": per}
+    with (local_route(model, ["0:15", "15:30"], extra=extra, cpus=[[0], [1]]) as linked,
+          local_route(model, ["0:15", "15:30"], extra=[*extra, "--no-link"], cpus=[[0], [1]]) as separate):
+        a, b = [n.endpoint for n in linked], [n.endpoint for n in separate]
+        on, off = in_turn(runs, lambda: paths.cli_decode(a, 1, cpus=[0])["runs"],
+                          lambda: paths.cli_decode(b, 1, cpus=[0])["runs"])
+    print(f"  one session, pinned, `meshnode generate`: on a link {statistics.median(on):.1f} tok/s "
+          f"{[round(v, 1) for v in on]}; a stream of its own {statistics.median(off):.1f} "
+          f"{[round(v, 1) for v in off]}", flush=True)
+    rep.add("pinned: one session's decode, on a link / a stream of its own", statistics.median(on),
+            statistics.median(off), "tok/s", 0.0, note="(`meshnode generate`; no target)")
+    out["single"] = {"link": on, "separate": off}
     rep.add("one machine: 8 sessions bundled, aggregate decode", statistics.median(out["unpinned"]["bundled"]),
             wholes[best], "tok/s", 0.90, note=f"(whole batched at {best} threads; nodes at their defaults)")
     out["load"] = load()
