@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from meshnode import errors
 from meshnode.metrics import NodeMetrics
 from meshnode.proto import node_pb2 as pb
 from meshnode.session.flow import Flow
+from meshnode.transport.link import finish
 from meshnode.wire import codec
 
 if TYPE_CHECKING:
@@ -123,12 +123,7 @@ class ReplyWriter:
 
     async def close(self, timeout: float) -> None:
         """At the end of the handler: let what is queued go out (bounded), then stop."""
-        task = self._pump_task
-        if task is not None and not task.done():
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-            task.cancel()
-            await asyncio.wait([task])
+        await finish(self._pump_task, timeout)
         self._drop()
 
 

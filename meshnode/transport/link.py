@@ -86,12 +86,17 @@ class _Outbox(Generic[M, E]):
 
     async def close(self, timeout: float) -> None:
         """Let what is posted go out (bounded), then stop."""
-        task = self._task
-        if task is not None and not task.done():
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-            task.cancel()
-            await asyncio.wait([task])
+        await finish(self._task, timeout)
+
+
+async def finish(task: asyncio.Task[None] | None, timeout: float) -> None:
+    """Let a writer's pump ``task`` end by itself within ``timeout`` seconds, else cancel it; either way
+    it is over on return (cancelling the caller does not cut the wait short of that)."""
+    if task is not None and not task.done():
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        task.cancel()
+        await asyncio.wait([task])
 
 
 # -- the receiving hop ------------------------------------------------------------------------------------------
