@@ -4,7 +4,9 @@
   count, or with the user's;
 * every llama_decode that may start an OpenMP team runs on one thread of the node: two threads that
   each own a team make libgomp count more threads than cores and sleep at every barrier;
-* thread defaults follow the CPUs the process may use (a cpuset or ``taskset``).
+* thread defaults follow the CPUs the process may use (a cpuset or ``taskset``);
+* a llama.cpp built without OpenMP gives each context a ggml pool of its own, whose threads sleep as soon
+  as a graph is done, and its decode steps stay inline on the data plane's thread.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshnode.executor import openmp
+from meshnode.executor import _bindings, openmp
 from meshnode.executor.api import RangeExecutor
 from meshnode.executor.config import ExecConfig, _cores, _cpus
 from meshnode.gguf.slicer import ensure_range
@@ -50,6 +52,7 @@ def test_thread_defaults_follow_the_cpus_this_process_may_use() -> None:
     assert out.split() == ["1", "1"]  # one CPU: one thread each, not os.cpu_count()
 
 
+@pytest.mark.skipif(not _bindings.openmp(), reason="this llama.cpp was built without OpenMP: no libgomp to set")
 @pytest.mark.parametrize("spin", [None, "2500"])
 def test_a_multithreaded_node_loads_llama_cpp_with_its_spin(model: Path, spin: str | None,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,9 +105,39 @@ async def test_every_multithreaded_decode_runs_on_one_thread(model: Path, thread
     assert len(ran) == 5
     assert len(prompt) == 1
     assert len(decode) == 1
-    if threads == 1:  # single-threaded decode starts no team: it stays inline on the data plane's thread
+    if threads == 1 or ex._range.own_pool:
+        # single-threaded decode starts no team, and a context with a ggml pool of its own (no OpenMP)
+        # wakes that pool from any thread: it stays inline on the data plane's thread
         assert decode == {"dataplane"}
         assert prompt != decode
     else:  # decode starts a team: it runs where prompt chunks run, the executor's one worker thread
         assert decode == prompt
         assert "dataplane" not in decode
+
+
+def test_a_context_with_a_ggml_pool_of_its_own_decodes_exactly_as_without(model: Path) -> None:
+    """A llama.cpp built without OpenMP gives each context a ggml pool it keeps (``own_pool``; an OpenMP
+    build runs its team instead). The binding is exercised on whichever build is installed: a pool attached
+    by hand must leave every logit unchanged, and the pool is stopped before its context is freed."""
+    from meshnode.executor._llama import LlamaRange
+
+    art = ensure_range(model, 0, 30)
+    cfg = ExecConfig(n_threads=2, n_threads_batch=2, max_sessions=1)
+    plain, pooled = LlamaRange(art, cfg), LlamaRange(art, cfg)
+    try:
+        assert plain.own_pool is (not _bindings.openmp())
+        pool = _bindings.attach_threadpool(pooled._ctx, 2, 0)
+        try:
+            toks = np.array([504, 3575, 282, 4649, 314], dtype=np.int32)
+            pos = 0
+            for _ in range(4):
+                a, b = plain.forward(0, pos, tokens=toks).logits, pooled.forward(0, pos, tokens=toks).logits
+                assert a is not None and b is not None
+                assert np.array_equal(a, b)
+                pos += len(toks)
+                toks = np.array([int(np.argmax(a))], dtype=np.int32)
+        finally:
+            _bindings.free_threadpool(pooled._ctx, pool)
+    finally:
+        plain.close()
+        pooled.close()

@@ -153,3 +153,55 @@ def backend_devices() -> list[dict[str, Any]]:
 
 def system_info() -> str:
     return str(llama_cpp.llama_print_system_info().decode())
+
+
+def openmp() -> bool:
+    """Whether this llama.cpp runs its threads as an OpenMP team (libgomp) rather than ggml's own pool."""
+    return "OPENMP = 1" in system_info()
+
+
+class _PoolParams(ctypes.Structure):
+    """``struct ggml_threadpool_params`` (ggml.h; GGML_MAX_N_THREADS = 512)."""
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
+                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
+
+
+@functools.cache
+def ggml_cpu() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(LIB_DIR / "libggml-cpu.so"))
+    lib.ggml_threadpool_new.restype = ctypes.c_void_p
+    lib.ggml_threadpool_new.argtypes = [ctypes.POINTER(_PoolParams)]
+    lib.ggml_threadpool_free.restype = None
+    lib.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+    base = ggml_base()
+    base.ggml_threadpool_params_init.restype = None
+    base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_PoolParams), ctypes.c_int]
+    attach = llama_cpp.llama_cpp._lib.llama_attach_threadpool
+    attach.restype = None
+    attach.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    detach = llama_cpp.llama_cpp._lib.llama_detach_threadpool
+    detach.restype = None
+    detach.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def attach_threadpool(ctx: Any, n_threads: int, poll: int) -> int:
+    """Give a context a ggml thread pool of its own, kept across graphs (the caller frees it with
+    ``free_threadpool`` after the context). Without one, a llama.cpp built without OpenMP starts and
+    joins fresh threads for every graph. ``poll`` (0..100) is how long an idle pool thread polls for the
+    next graph before it sleeps on the pool's condition variable: 0 sleeps at once."""
+    lib = ggml_cpu()
+    p = _PoolParams()
+    ggml_base().ggml_threadpool_params_init(ctypes.byref(p), n_threads)
+    p.poll = poll
+    pool = lib.ggml_threadpool_new(ctypes.byref(p))
+    if not pool:
+        raise ExecutorError(f"ggml could not start a pool of {n_threads} threads")
+    llama_cpp.llama_cpp._lib.llama_attach_threadpool(ctx, pool, pool)
+    return int(pool)
+
+
+def free_threadpool(ctx: Any, pool: int) -> None:
+    """Detach a pool from its context and stop its threads (before the context is freed)."""
+    llama_cpp.llama_cpp._lib.llama_detach_threadpool(ctx)
+    ggml_cpu().ggml_threadpool_free(pool)

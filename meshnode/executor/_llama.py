@@ -237,6 +237,12 @@ class LlamaRange:
         if not self._ctx:
             raise ExecutorError("llama.cpp could not create a context (out of memory?)")
         self._stack.callback(llama_cpp.llama_free, self._ctx)
+        #: a ggml thread pool of this context's own (a llama.cpp built without OpenMP): its threads
+        #: sleep as soon as a graph is done, so a hop that waits leaves its cores to the hop that computes
+        self.own_pool = not _bindings.openmp() and max(c.n_threads, c.n_threads_batch) > 1
+        if self.own_pool:
+            pool = _bindings.attach_threadpool(self._ctx, max(c.n_threads, c.n_threads_batch), c.poll)
+            self._stack.callback(_bindings.free_threadpool, self._ctx, pool)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch_threads = c.n_threads_batch
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))

@@ -280,7 +280,7 @@ class RangeExecutor:
         # thread, and two threads that each own a team (this one and the worker) make libgomp count more
         # threads than cores and cut its barrier spin to ~100 rounds, so every barrier of every graph
         # sleeps and wakes (measured: 140 context switches per token, decode at a third of its speed)
-        inline = (self.config.inline_decode and self.config.n_threads == 1
+        inline = (self.config.inline_decode and (self.config.n_threads == 1 or self._range.own_pool)
                   and not trio.lowlevel.in_trio_run() and all(self._rows(j.chunk) == 1 for j in self._queue))
         if inline and self._ctx.acquire(blocking=False):
             try:

@@ -54,6 +54,9 @@ class ExecConfig:
     #: ``n_threads == 1``: a decode on more threads would make the loop's thread a second OpenMP master,
     #: and libgomp, counting more threads than cores, then sleeps at every barrier (docs/performance.md).
     inline_decode: bool = True
+    #: how long an idle thread of the context's ggml pool (a llama.cpp without OpenMP) polls for the next
+    #: graph before it sleeps, 0..100 (ggml's scale; 0 sleeps at once). Not a numerics setting.
+    poll: int = int(os.environ.get("MESHNODE_POLL", "0"))
 
     def numerics(self) -> dict[str, int | bool]:
         """The settings that change numerics; hops of one route must agree on them."""
