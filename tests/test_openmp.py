@@ -132,7 +132,8 @@ def test_a_context_with_a_ggml_pool_of_its_own_decodes_exactly_as_without(model:
             pos = 0
             for _ in range(4):
                 a, b = plain.forward(0, pos, tokens=toks).logits, pooled.forward(0, pos, tokens=toks).logits
-                assert a is not None and b is not None
+                assert a is not None
+                assert b is not None
                 assert np.array_equal(a, b)
                 pos += len(toks)
                 toks = np.array([int(np.argmax(a))], dtype=np.int32)
