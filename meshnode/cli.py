@@ -59,6 +59,7 @@ def _exec_config(ns: argparse.Namespace) -> ExecConfig:
         n_ctx_per_session=ctx,
         max_sessions=sessions,
         n_threads=ns.threads or base.n_threads,
+        n_threads_solo=ns.threads or base.n_threads_solo,
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
         inline_decode=not getattr(ns, "decode_on_worker", False),
     )
@@ -87,7 +88,8 @@ def _add_node_choice(p: argparse.ArgumentParser, which: str) -> None:
 
 def _add_exec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int,
-                   help="llama.cpp threads for decode (default: half the physical cores this process may use)")
+                   help="llama.cpp threads for decode (default: the cores this process may use while one session "
+                        "is live, half the physical cores while several are)")
     p.add_argument("--threads-batch", type=int,
                    help="llama.cpp threads for prefill (default: the cores this process may use)")
     p.add_argument("--max-sessions", type=int, help="concurrent sessions (KV sequences), default 4")
@@ -159,7 +161,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.executor import openmp
 
     ns = _node_settings(ns)
-    openmp.configure(ns.threads or ExecConfig().n_threads)  # before llama.cpp loads: libgomp reads it once
+    openmp.configure(ns.threads or ExecConfig().n_threads_solo)  # before llama.cpp loads: libgomp reads it once
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.node import NodeConfig, run_node
 

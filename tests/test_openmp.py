@@ -45,11 +45,22 @@ def test_configure_sets_the_spin_for_a_multithreaded_decode_unless_the_user_did(
 def test_thread_defaults_follow_the_cpus_this_process_may_use() -> None:
     assert 1 <= _cores() <= _cpus() == len(os.sched_getaffinity(0))
     cfg = ExecConfig()
-    assert (cfg.n_threads, cfg.n_threads_batch) == (max(_cores() // 2, 1), _cpus())
-    code = "from meshnode.executor.config import ExecConfig as E; c = E(); print(c.n_threads, c.n_threads_batch)"
+    assert (cfg.n_threads, cfg.n_threads_solo, cfg.n_threads_batch) == (max(_cores() // 2, 1), _cpus(), _cpus())
+    code = ("from meshnode.executor.config import ExecConfig as E; c = E(); "
+            "print(c.n_threads, c.n_threads_solo, c.n_threads_batch)")
     out = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-c", code],
                          capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["1", "1"]  # one CPU: one thread each, not os.cpu_count()
+    assert out.split() == ["1", "1", "1"]  # one CPU: one thread each, not os.cpu_count()
+
+
+def test_threads_from_the_command_line_set_every_decode_step() -> None:
+    from meshnode.cli import _exec_config, build_parser
+
+    ns = build_parser().parse_args(["serve", "--model", "m.gguf", "--layers", "0:15", "--threads", "3"])
+    cfg = _exec_config(ns)
+    assert (cfg.n_threads, cfg.n_threads_solo) == (3, 3)  # the user's word, alone or with company
+    cfg = _exec_config(build_parser().parse_args(["serve", "--model", "m.gguf", "--layers", "0:15"]))
+    assert (cfg.n_threads, cfg.n_threads_solo) == (ExecConfig().n_threads, _cpus())
 
 
 @pytest.mark.skipif(not _bindings.openmp(), reason="this llama.cpp was built without OpenMP: no libgomp to set")
@@ -75,7 +86,8 @@ def test_a_multithreaded_node_loads_llama_cpp_with_its_spin(model: Path, spin: s
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_every_multithreaded_decode_runs_on_one_thread(model: Path, threads: int) -> None:
     ex = RangeExecutor(ensure_range(model, 0, 12), ExecConfig(n_ctx_per_session=256, max_sessions=1,
-                                                              n_threads=threads, n_threads_batch=2))
+                                                              n_threads=threads, n_threads_solo=threads,
+                                                              n_threads_batch=2))
     ran: list[tuple[str, int]] = []  # (thread, rows) of every llama_decode
     real = ex._range.forward_many
 
@@ -142,3 +154,47 @@ def test_a_context_with_a_ggml_pool_of_its_own_decodes_exactly_as_without(model:
     finally:
         plain.close()
         pooled.close()
+
+
+async def test_one_live_session_decodes_on_every_core_and_several_on_the_decode_threads(model: Path) -> None:
+    """One session's hops take turns, so its steps get ``n_threads_solo``; while two sessions are live
+    their hops compute at once and the steps get ``n_threads``. A step on several threads of an OpenMP
+    build leaves the data plane's thread for the executor's worker."""
+    ex = RangeExecutor(ensure_range(model, 0, 12), ExecConfig(n_ctx_per_session=256, max_sessions=2, n_threads=1,
+                                                              n_threads_solo=2, n_threads_batch=2))
+    seen: list[tuple[int, int, str]] = []  # (live sessions, threads, thread) of every batch of decode steps
+    real = ex._range.forward_many
+
+    def spy(chunks: list[Any]) -> Any:
+        if all(ex._rows(c) == 1 for c in chunks):
+            seen.append((ex.live_slots, ex._range.decode_threads, threading.current_thread().name))
+        return real(chunks)
+
+    ex._range.forward_many = spy  # type: ignore[method-assign]
+    prompt = np.asarray([1, 504, 3575, 282], np.int32)
+
+    async def step(slot: int, pos: int) -> None:
+        while ex._ctx.locked():  # noqa: ASYNC110 (a lock the worker thread holds)
+            await asyncio.sleep(0)
+        await ex.forward(slot, pos, tokens=np.asarray([314], np.int32))
+
+    async def sessions() -> None:
+        a = ex.open_slot()
+        await ex.forward(a, 0, tokens=prompt)
+        await step(a, 4)
+        b = ex.open_slot()
+        await ex.forward(b, 0, tokens=prompt)
+        await step(a, 5)
+        await step(b, 4)
+        await ex.release(b)
+        await step(a, 6)
+        await ex.release(a)
+
+    try:
+        async with open_aio_thread(name="dataplane") as aio:
+            await aio.run(sessions)
+    finally:
+        ex.close()
+    assert [(live, threads) for live, threads, _ in seen] == [(1, 2), (2, 1), (2, 1), (1, 2)]
+    for _, threads, name in seen:
+        assert (name == "dataplane") is (threads == 1 or ex._range.own_pool)

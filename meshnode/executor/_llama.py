@@ -239,12 +239,15 @@ class LlamaRange:
         self._stack.callback(llama_cpp.llama_free, self._ctx)
         #: a ggml thread pool of this context's own (a llama.cpp built without OpenMP): its threads
         #: sleep as soon as a graph is done, so a hop that waits leaves its cores to the hop that computes
-        self.own_pool = not _bindings.openmp() and max(c.n_threads, c.n_threads_batch) > 1
+        most = max(c.n_threads, c.n_threads_batch, c.n_threads_solo)
+        self.own_pool = not _bindings.openmp() and most > 1
         if self.own_pool:
-            pool = _bindings.attach_threadpool(self._ctx, max(c.n_threads, c.n_threads_batch), c.poll)
+            pool = _bindings.attach_threadpool(self._ctx, most, c.poll)
             self._stack.callback(_bindings.free_threadpool, self._ctx, pool)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._batch_threads = c.n_threads_batch
+        #: threads of a batch of single-token steps; the executor sets it before each batch (api.py)
+        self.decode_threads = c.n_threads
+        self._threads = (c.n_threads, c.n_threads_batch)  # what llama.cpp was last told
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))
         if self.n_ctx_seq != c.n_ctx_per_session:  # llama.cpp rounds: advertise what it holds
             self.config = dataclasses.replace(c, n_ctx_per_session=self.n_ctx_seq)
@@ -382,10 +385,12 @@ class LlamaRange:
         # llama.cpp uses n_threads_batch for any multi-token batch; a batch of sessions' decode
         # steps (one token each) is decode work: give it the decode threads (threads do not change
         # numerics). Prefill threads on every core would spin against the other hops' processes.
-        threads = self.config.n_threads if all(n == 1 for _, n in parts) else self.config.n_threads_batch
-        if threads != self._batch_threads:
-            llama_cpp.llama_set_n_threads(self._ctx, self.config.n_threads, threads)
-            self._batch_threads = threads
+        # (llama.cpp itself takes n_threads for a one-token batch, n_threads_batch for more)
+        decode = self.decode_threads
+        threads = (decode, decode if all(n == 1 for _, n in parts) else self.config.n_threads_batch)
+        if threads != self._threads:
+            llama_cpp.llama_set_n_threads(self._ctx, *threads)
+            self._threads = threads
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:
             # positions may be half-written: drop what this step added

@@ -192,6 +192,12 @@ class RangeExecutor:
     def live_slots(self) -> int:
         return self.config.max_sessions - len(self._free)
 
+    @property
+    def decode_threads(self) -> int:
+        """Threads for the next batch of decode steps: every core while one session is live (its hops
+        take turns), else ``n_threads`` (several sessions' hops compute at once)."""
+        return self.config.n_threads_solo if self.live_slots <= 1 else self.config.n_threads
+
     # -- sessions --------------------------------------------------------------
 
     def open_slot(self) -> int:
@@ -280,11 +286,11 @@ class RangeExecutor:
         # thread, and two threads that each own a team (this one and the worker) make libgomp count more
         # threads than cores and cut its barrier spin to ~100 rounds, so every barrier of every graph
         # sleeps and wakes (measured: 140 context switches per token, decode at a third of its speed)
-        inline = (self.config.inline_decode and (self.config.n_threads == 1 or self._range.own_pool)
+        inline = (self.config.inline_decode and (self.decode_threads == 1 or self._range.own_pool)
                   and not trio.lowlevel.in_trio_run() and all(self._rows(j.chunk) == 1 for j in self._queue))
         if inline and self._ctx.acquire(blocking=False):
             try:
-                self._run_one()
+                self._run_one(inline=True)
             finally:
                 self._ctx.release()
             if self._more():
@@ -301,12 +307,12 @@ class RangeExecutor:
             if self._more():
                 self._pool.submit(self._drain)
 
-    def _run_one(self) -> None:
+    def _run_one(self, *, inline: bool = False) -> None:
         """Take the next batch and run it (the caller holds ``_ctx``)."""
         with self._lock:
             jobs = self._take()
         if jobs:
-            self._run(jobs)
+            self._run(jobs, inline=inline)
 
     def _more(self) -> bool:
         """Whether chunks are left to run; if not, the executor goes idle (``_draining`` off)."""
@@ -316,8 +322,12 @@ class RangeExecutor:
             self._draining = False
             return False
 
-    def _run(self, jobs: list[_Job]) -> None:
+    def _run(self, jobs: list[_Job], *, inline: bool = False) -> None:
         try:
+            # an inline batch stays on one thread unless the context has a pool of its own (a session
+            # may have ended between the dispatch's choice and this batch)
+            threads = self.decode_threads
+            self._range.decode_threads = 1 if inline and not self._range.own_pool else threads
             t0 = time.perf_counter_ns()
             outs = self._range.forward_many([j.chunk for j in jobs])
             took = time.perf_counter_ns() - t0
