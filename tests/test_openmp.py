@@ -45,7 +45,7 @@ def test_configure_sets_the_spin_for_a_multithreaded_decode_unless_the_user_did(
 def test_thread_defaults_follow_the_cpus_this_process_may_use() -> None:
     assert 1 <= _cores() <= _cpus() == len(os.sched_getaffinity(0))
     cfg = ExecConfig()
-    assert (cfg.n_threads, cfg.n_threads_solo, cfg.n_threads_batch) == (max(_cores() // 2, 1), _cpus(), _cpus())
+    assert (cfg.n_threads, cfg.n_threads_solo, cfg.n_threads_batch) == (max(_cores() // 2, 1), _cores(), _cpus())
     code = ("from meshnode.executor.config import ExecConfig as E; c = E(); "
             "print(c.n_threads, c.n_threads_solo, c.n_threads_batch)")
     out = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-c", code],
@@ -60,7 +60,7 @@ def test_threads_from_the_command_line_set_every_decode_step() -> None:
     cfg = _exec_config(ns)
     assert (cfg.n_threads, cfg.n_threads_solo) == (3, 3)  # the user's word, alone or with company
     cfg = _exec_config(build_parser().parse_args(["serve", "--model", "m.gguf", "--layers", "0:15"]))
-    assert (cfg.n_threads, cfg.n_threads_solo) == (ExecConfig().n_threads, _cpus())
+    assert (cfg.n_threads, cfg.n_threads_solo) == (ExecConfig().n_threads, _cores())
 
 
 @pytest.mark.skipif(not _bindings.openmp(), reason="this llama.cpp was built without OpenMP: no libgomp to set")
