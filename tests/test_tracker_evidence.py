@@ -209,8 +209,9 @@ async def test_a_slow_verdict_is_polled_for(tmp_path: Path, model: Path, run: Ru
 async def test_a_verification_over_its_time_is_killed_and_marks_nothing(tmp_path: Path, model: Path,
                                                                        run: Run) -> None:  # noqa: F811
     """``--verify-timeout``: a child still running at the deadline is killed; the verdict is 503
-    DEADLINE_EXCEEDED, nothing is marked and the next report is verified as usual (no process starts,
-    loads a model and recomputes a range in 10 ms)."""
+    DEADLINE_EXCEEDED, nothing is marked, and the same evidence reported again is verified again (a failure
+    is not a verdict to answer from memory) (no process starts, loads a model and recomputes a range in
+    10 ms)."""
     import trio
 
     import tracker.evidence
@@ -231,8 +232,7 @@ async def test_a_verification_over_its_time_is_killed_and_marks_nothing(tmp_path
             assert run.idents[0].node_id not in registry.marks
             assert not list((tmp_path / "evidence").iterdir())  # the body's file is gone
             verifier.timeout = 300.0
-            other = sign_evidence(NodeIdentity.generate(), run.evidence(0, 1, lie=True)).SerializeToString()
-            status, doc = await verifier.submit(other)
+            status, doc = await verifier.submit(body)
             while status == 202:
                 await trio.sleep(0.05)
                 status, doc = verifier.result(doc["id"])

@@ -92,6 +92,11 @@ class Verifier:
         up to ANSWER_WITHIN seconds for its verdict."""
         evidence_id = hashlib.sha256(body).hexdigest()
         job = self._jobs.get(evidence_id)
+        if job is not None and job.done.is_set() and job.status >= 500:
+            # a verification that failed (over its time, a crash) is no verdict: the same evidence posted
+            # again is verified again, not answered from memory
+            del self._jobs[evidence_id]
+            job = None
         if job is None:
             try:
                 reporter, ev = open_evidence(parse_envelope(body))
