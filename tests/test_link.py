@@ -22,7 +22,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.proto import node_pb2 as pb
 from meshnode.session.initiator import GenerateConfig, generate
 from meshnode.transport.client import health
-from meshnode.transport.link import MAX_ENTRIES, MAX_LINK_STREAMS
+from meshnode.transport.link import MAX_ENTRIES, MAX_LINK_STREAMS, MAX_QUEUED
 from tests.conftest import aio, llama_reference
 from tests.test_fuzz import _connect, build_open
 
@@ -173,3 +173,41 @@ async def test_a_link_bounds_its_streams_and_its_messages(node_factory):
     h = await aio(health, tail.endpoint, 10.0)
     assert h.serving
     assert h.live_sessions == h.detached_sessions
+
+
+async def _flood(proc: object) -> tuple[list[pb.LinkReply], tuple[int, int], list[pb.LinkReply]]:
+    """On a two-slot tail, sessions on streams 1 and 2; then MAX_QUEUED + 1 frames for stream 1 in one
+    message (the link feeds a message's entries before any session reads). Returns the replies until
+    stream 1 ended, the tail's (live, detached) sessions then, and the replies after the half-close."""
+    node = await _connect(proc)  # type: ignore[arg-type]
+    try:
+        call = node.stub.Link()
+        opens = [build_open(str(uuid.uuid4()), [node], NodeIdentity.generate())[0] for _ in range(2)]
+        got = []
+        for n, frame in enumerate(opens, 1):
+            await call.write(pb.LinkFrame(entries=[pb.LinkEntry(stream=n, frame=frame)]))
+            got.append(await call.read())  # accepted
+        step = pb.SessionFrame(route_session_id=opens[0].route_session_id, step=pb.Step(step_id=1, tokens=[1]))
+        await call.write(pb.LinkFrame(entries=[pb.LinkEntry(stream=1, frame=step)] * (MAX_QUEUED + 1)))
+        replies = 0  # without the bound, each of the frames gets its reply (EPOCH_STALE) and the stream goes on
+        while not any(e.stream == 1 and e.ended for e in got[-1].entries) and replies <= MAX_QUEUED:
+            got.append(await call.read())
+            replies += sum(e.stream == 1 and not e.ended for e in got[-1].entries)
+        h = await health(proc.endpoint, 10.0)  # type: ignore[attr-defined]
+        await call.done_writing()
+        return got, (h.live_sessions, h.detached_sessions), await _to_end(call)
+    finally:
+        await node.channel.close()
+
+
+async def test_a_stream_that_lets_too_many_frames_wait_is_cut_and_the_others_go_on(node_factory):
+    tail = await trio.to_thread.run_sync(lambda: node_factory("15:30", extra=("--max-sessions", "2")))
+    with trio.fail_after(120):
+        got, (live, detached), after = await aio(_flood, tail)
+    assert [(e.stream, e.reply.HasField("accepted")) for r in got[:2] for e in r.entries] == [(1, True), (2, True)]
+    assert [e.stream for r in got for e in r.entries if e.ended] == [1]  # stream 1 cut, unread
+    assert len([e for r in got[2:] for e in r.entries if e.stream == 1]) < 8  # the frames it let wait never ran
+    assert (live, detached) == (2, 1)  # stream 1's session detached (its KV kept), stream 2's lives on
+    assert [e.stream for r in after for e in r.entries if e.ended] == [2]  # until the link's half-close
+    h = await aio(health, tail.endpoint, 10.0)
+    assert h.serving
