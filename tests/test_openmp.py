@@ -157,11 +157,12 @@ def test_a_context_with_a_ggml_pool_of_its_own_decodes_exactly_as_without(model:
 
 
 async def test_one_live_session_decodes_on_every_core_and_several_on_the_decode_threads(model: Path) -> None:
-    """One session's hops take turns, so its steps get ``n_threads_solo``; while two sessions are live
-    their hops compute at once and the steps get ``n_threads``. A step on several threads of an OpenMP
-    build leaves the data plane's thread for the executor's worker."""
+    """One session's hops take turns, so its steps get ``n_threads_solo`` while those have measured
+    faster; while two sessions are live their hops compute at once and the steps get ``n_threads``. A step
+    on several threads of an OpenMP build leaves the data plane's thread for the executor's worker."""
     ex = RangeExecutor(ensure_range(model, 0, 12), ExecConfig(n_ctx_per_session=256, max_sessions=2, n_threads=1,
                                                               n_threads_solo=2, n_threads_batch=2))
+    ex._solo.mean = {2: 0.0, 1: 1.0}  # two threads have been the faster (by far)
     seen: list[tuple[int, int, str]] = []  # (live sessions, threads, thread) of every batch of decode steps
     real = ex._range.forward_many
 
@@ -198,3 +199,39 @@ async def test_one_live_session_decodes_on_every_core_and_several_on_the_decode_
     assert [(live, threads) for live, threads, _ in seen] == [(1, 2), (2, 1), (2, 1), (1, 2)]
     for _, threads, name in seen:
         assert (name == "dataplane") is (threads == 1 or ex._range.own_pool)
+
+
+def test_a_lone_sessions_threads_follow_what_its_steps_measure() -> None:
+    """Each count measured once (the most threads first), then the faster one, with a probe of the other
+    every PROBE_EVERY-th step; when the host starts stealing the team's partner (its steps slow down five
+    times), the chooser moves to one thread within a probe period, and back at the first probe after the
+    steal stops."""
+    from meshnode.executor.threads import PROBE_EVERY, ThreadChooser
+
+    c = ThreadChooser((1, 2))
+    assert c.pick() == 2
+    c.record(2, 0.003)
+    assert c.pick() == 1
+    c.record(1, 0.005)
+    quiet = {2: 0.003, 1: 0.005}
+    picks = []
+    for _ in range(2 * PROBE_EVERY):
+        n = c.pick()
+        assert c.pick() == n  # asking again changes nothing
+        picks.append(n)
+        c.record(n, quiet[n])
+    assert picks.count(1) == 2  # a probe a period, the rest on two threads
+    stolen = {2: 0.025, 1: 0.005}
+    picks = []
+    for _ in range(2 * PROBE_EVERY):
+        n = c.pick()
+        picks.append(n)
+        c.record(n, stolen[n])
+    assert picks[-PROBE_EVERY:].count(2) <= 1  # on one thread, probing two now and then
+    picks = []
+    for _ in range(3 * PROBE_EVERY):
+        n = c.pick()
+        picks.append(n)
+        c.record(n, quiet[n])
+    assert picks[-2 * PROBE_EVERY:].count(2) >= 2 * PROBE_EVERY - 2  # back on two threads
+    assert ThreadChooser((2, 2)).options == (2,)  # --threads N: nothing to choose

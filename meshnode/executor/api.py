@@ -54,6 +54,7 @@ import trio
 from meshnode.errors import CancelledError, CapacityError
 from meshnode.executor._llama import F32, Chunk, LlamaRange, StepOutput, Vocab, batchable
 from meshnode.executor.config import ExecConfig
+from meshnode.executor.threads import ThreadChooser
 from meshnode.gguf.slicer import RangeArtifact, Role
 
 T = TypeVar("T")
@@ -148,6 +149,8 @@ class RangeExecutor:
         #: the config as the range resolved it (the default --ctx-size decided)
         self.config = self._range.config
         self._free = list(range(config.max_sessions - 1, -1, -1))
+        #: a lone session's decode threads, chosen by its steps' times
+        self._solo = ThreadChooser((self.config.n_threads, self.config.n_threads_solo))
         self.steps_total = 0
         self.batches_total = 0
         #: guards the queue and ``_draining``
@@ -194,9 +197,10 @@ class RangeExecutor:
 
     @property
     def decode_threads(self) -> int:
-        """Threads for the next batch of decode steps: every core while one session is live (its hops
-        take turns), else ``n_threads`` (several sessions' hops compute at once)."""
-        return self.config.n_threads_solo if self.live_slots <= 1 else self.config.n_threads
+        """Threads for the next batch of decode steps: while one session is live (its hops take turns),
+        ``n_threads_solo`` or ``n_threads``, whichever its steps have measured faster lately
+        (executor/threads.py); while several are (their hops compute at once), ``n_threads``."""
+        return self._solo.pick() if self.live_slots <= 1 else self.config.n_threads
 
     # -- sessions --------------------------------------------------------------
 
@@ -331,6 +335,8 @@ class RangeExecutor:
             t0 = time.perf_counter_ns()
             outs = self._range.forward_many([j.chunk for j in jobs])
             took = time.perf_counter_ns() - t0
+            if len(jobs) == 1 and self._rows(jobs[0].chunk) == 1 and self.live_slots <= 1:
+                self._solo.record(self._range.decode_threads, took / 1e9)  # a lone session's step
         except Exception as e:  # handed to every waiter
             outs, took = [e] * len(jobs), 0
         self.steps_total += len(jobs)
