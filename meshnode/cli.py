@@ -88,8 +88,8 @@ def _add_node_choice(p: argparse.ArgumentParser, which: str) -> None:
 
 def _add_exec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int,
-                   help="llama.cpp threads for decode (default: the physical cores this process may use while one "
-                        "session is live, half of them while several are)")
+                   help="llama.cpp threads for decode (default: while one session is live, the physical cores "
+                        "this process may use or half of them, whichever measures faster; half while several are)")
     p.add_argument("--threads-batch", type=int,
                    help="llama.cpp threads for prefill (default: the cores this process may use)")
     p.add_argument("--max-sessions", type=int, help="concurrent sessions (KV sequences), default 4")

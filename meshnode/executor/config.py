@@ -47,7 +47,8 @@ class ExecConfig:
     #: threads for a decode step when it is the only session live on this range. One session's hops take
     #: turns (each waits for the one before it), so the hop that computes can have every physical core (as
     #: llama.cpp's own default): on 2 vCPUs the whole model decodes at ~104 tok/s on 2 threads against ~62
-    #: on one (docs/performance.md, "One session on one machine"). ``--threads`` sets it too.
+    #: on one (docs/performance.md, "One session on one machine"). Used while its steps measure faster than
+    #: ``n_threads`` (executor/threads.py). ``--threads`` sets it too.
     n_threads_solo: int = _cores()
     #: threads for prompt processing (Llama's default: cpu_count; here the CPUs this process may use)
     n_threads_batch: int = _cpus()
