@@ -83,6 +83,25 @@ def test_a_multithreaded_node_loads_llama_cpp_with_its_spin(model: Path, spin: s
     assert f"GOMP_SPINCOUNT = '{want}'" in err, err[-2000:]
 
 
+PROMPT = np.asarray([1, 504, 3575, 282], np.int32)
+
+
+async def _step(ex: RangeExecutor, slot: int, pos: int) -> None:
+    """One decode step, once the worker is done with the last one (else it would queue behind it)."""
+    while ex._ctx.locked():  # noqa: ASYNC110 (a lock the worker thread holds)
+        await asyncio.sleep(0)
+    await ex.forward(slot, pos, tokens=np.asarray([314], np.int32))
+
+
+async def _on_data_plane(ex: RangeExecutor, body: Any) -> None:
+    """Run ``body`` on an asyncio thread named as a node's data plane, then close the executor."""
+    try:
+        async with open_aio_thread(name="dataplane") as aio:
+            await aio.run(body)
+    finally:
+        ex.close()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_every_multithreaded_decode_runs_on_one_thread(model: Path, threads: int) -> None:
     ex = RangeExecutor(ensure_range(model, 0, 12), ExecConfig(n_ctx_per_session=256, max_sessions=1,
@@ -99,19 +118,11 @@ async def test_every_multithreaded_decode_runs_on_one_thread(model: Path, thread
 
     async def session() -> None:
         slot = ex.open_slot()
-        await ex.forward(slot, 0, tokens=np.asarray([1, 504, 3575, 282], np.int32))  # a prompt chunk
+        await ex.forward(slot, 0, tokens=PROMPT)  # a prompt chunk
         for pos in range(4, 8):
-            # the worker is done with the last step (else this one would queue behind it)
-            while ex._ctx.locked():  # noqa: ASYNC110 (a lock the worker thread holds)
-                await asyncio.sleep(0)
-            await ex.forward(slot, pos, tokens=np.asarray([314], np.int32))  # decode steps
-        await ex.release(slot)
+            await _step(ex, slot, pos)
 
-    try:
-        async with open_aio_thread(name="dataplane") as aio:
-            await aio.run(session)
-    finally:
-        ex.close()
+    await _on_data_plane(ex, session)
     decode = {name for name, rows in ran if rows == 1}
     prompt = {name for name, rows in ran if rows > 1}
     assert len(ran) == 5
@@ -172,30 +183,19 @@ async def test_one_live_session_decodes_on_every_core_and_several_on_the_decode_
         return real(chunks)
 
     ex._range.forward_many = spy  # type: ignore[method-assign]
-    prompt = np.asarray([1, 504, 3575, 282], np.int32)
-
-    async def step(slot: int, pos: int) -> None:
-        while ex._ctx.locked():  # noqa: ASYNC110 (a lock the worker thread holds)
-            await asyncio.sleep(0)
-        await ex.forward(slot, pos, tokens=np.asarray([314], np.int32))
 
     async def sessions() -> None:
         a = ex.open_slot()
-        await ex.forward(a, 0, tokens=prompt)
-        await step(a, 4)
+        await ex.forward(a, 0, tokens=PROMPT)
+        await _step(ex, a, 4)
         b = ex.open_slot()
-        await ex.forward(b, 0, tokens=prompt)
-        await step(a, 5)
-        await step(b, 4)
+        await ex.forward(b, 0, tokens=PROMPT)
+        await _step(ex, a, 5)
+        await _step(ex, b, 4)
         await ex.release(b)
-        await step(a, 6)
-        await ex.release(a)
+        await _step(ex, a, 6)
 
-    try:
-        async with open_aio_thread(name="dataplane") as aio:
-            await aio.run(sessions)
-    finally:
-        ex.close()
+    await _on_data_plane(ex, sessions)
     assert [(live, threads) for live, threads, _ in seen] == [(1, 2), (2, 1), (2, 1), (1, 2)]
     for _, threads, name in seen:
         assert (name == "dataplane") is (threads == 1 or ex._range.own_pool)
