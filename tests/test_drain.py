@@ -202,8 +202,9 @@ async def test_a_session_outliving_the_drain_timeout_is_cut_with_a_typed_error(
             gone.proc.send_signal(signal.SIGTERM)
         text = run.text()
         assert run.proc.returncode == 1, text
-        assert "meshnode: error: PEER_UNAVAILABLE" in text
-        assert f"[hop {gone.endpoint}]" in text
+        other = nodes[1 - victim].stderr()[-6000:]  # the hop that stayed: what it saw, should it be blamed
+        assert "meshnode: error: PEER_UNAVAILABLE" in text, f"{text}\n--- the other hop's log ---\n{other}"
+        assert f"[hop {gone.endpoint}]" in text, f"{text}\n--- the other hop's log ---\n{other}"
         assert await trio.to_thread.run_sync(lambda: gone.proc.wait(30)) == 0
         log = _log(gone)
         assert "drain timeout: 1 live sessions are cut when gRPC stops" in log
