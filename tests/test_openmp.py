@@ -235,3 +235,14 @@ def test_a_lone_sessions_threads_follow_what_its_steps_measure() -> None:
         c.record(n, quiet[n])
     assert picks[-2 * PROBE_EVERY:].count(2) >= 2 * PROBE_EVERY - 2  # back on two threads
     assert ThreadChooser((2, 2)).options == (2,)  # --threads N: nothing to choose
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "101", ""])
+def test_a_malformed_poll_level_is_a_typed_error_at_serve(value: str, tmp_path: Path) -> None:
+    env = {**os.environ, "MESHNODE_POLL": value, "XDG_STATE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "meshnode", "serve", "--model", str(tmp_path / "m.gguf"),
+                          "--layers", "0:15", "--state-dir", str(tmp_path / "state")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode != 0
+    assert "MESHNODE_POLL must be a whole number from 0 to 100" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

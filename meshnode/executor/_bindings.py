@@ -155,6 +155,7 @@ def system_info() -> str:
     return str(llama_cpp.llama_print_system_info().decode())
 
 
+@functools.cache
 def openmp() -> bool:
     """Whether this llama.cpp runs its threads as an OpenMP team (libgomp) rather than ggml's own pool."""
     return "OPENMP = 1" in system_info()

@@ -330,8 +330,7 @@ class RangeExecutor:
         try:
             # an inline batch stays on one thread unless the context has a pool of its own (a session
             # may have ended between the dispatch's choice and this batch)
-            threads = self.decode_threads
-            self._range.decode_threads = 1 if inline and not self._range.own_pool else threads
+            self._range.decode_threads = 1 if inline and not self._range.own_pool else self.decode_threads
             t0 = time.perf_counter_ns()
             outs = self._range.forward_many([j.chunk for j in jobs])
             took = time.perf_counter_ns() - t0

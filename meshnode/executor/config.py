@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -24,6 +24,16 @@ def _cores() -> int:
         except OSError:
             seen.add((str(cpu), ""))
     return len(seen) or 1
+
+
+def _poll() -> int:
+    """``MESHNODE_POLL`` (0..100), checked: a typo is the caller's input error, not a crash."""
+    from meshnode.errors import InputError
+
+    raw = os.environ.get("MESHNODE_POLL", "0")
+    if not raw.strip().isdigit() or int(raw) > 100:
+        raise InputError(f"MESHNODE_POLL must be a whole number from 0 to 100 (ggml's polling level), not {raw!r}")
+    return int(raw)
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class ExecConfig:
     inline_decode: bool = True
     #: how long an idle thread of the context's ggml pool (a llama.cpp without OpenMP) polls for the next
     #: graph before it sleeps, 0..100 (ggml's scale; 0 sleeps at once). Not a numerics setting.
-    poll: int = int(os.environ.get("MESHNODE_POLL", "0"))
+    poll: int = field(default_factory=_poll)
 
     def numerics(self) -> dict[str, int | bool]:
         """The settings that change numerics; hops of one route must agree on them."""
