@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +29,15 @@ import numpy as np
 import pytest
 
 from meshnode.errors import CutRefusedError
-from meshnode.executor._llama import LlamaRange
-from meshnode.executor.config import ExecConfig
 from meshnode.gguf.arch import check_cut, swa_layers
 from meshnode.gguf.slicer import Role, ensure_range
+from tests.archcheck import N_DECODE, PROMPT, Run, assert_same_run, run_chain, run_whole
 from tests.conftest import llama_reference
 from tests.tinymodels import make_tiny_model
 
 N_LAYER = 12
 N_VOCAB = 1024
-N_DECODE = 8
-#: 44 tokens with the truncated vocabulary: well past gemma3's window of 8
-PROMPT = "The quick brown fox jumps over the lazy dog, while the cat sleeps on a warm mat near the open door."
+#: the prompt's 44 tokens (truncated vocabulary) are well past gemma3's window of 8
 SLIDING_WINDOW = 8
 
 Cut = Sequence[tuple[int, int]]
@@ -88,108 +84,6 @@ def tiny(model: Path, tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory
         return built[key]
 
     return make
-
-
-@dataclass
-class Run:
-    prompt_tokens: list[int]
-    #: greedy tokens, one per logits row
-    tokens: list[int]
-    #: logits of the last prompt token, then of each generated token
-    logits: list[np.ndarray]
-
-
-def run_whole(path: Path, prompt: str = PROMPT, n: int = N_DECODE + 1) -> Run:
-    art = ensure_range(path, 0, N_LAYER)
-    assert art.role is Role.WHOLE
-    r = LlamaRange(art, ExecConfig())
-    try:
-        assert r.vocab is not None
-        toks = r.vocab.tokenize(prompt)
-        run = Run(toks, [], [])
-        step, pos = np.asarray(toks, dtype=np.int32), 0
-        while len(run.tokens) < n:
-            out = r.forward(0, pos, tokens=step)
-            pos += len(step)
-            assert out.logits is not None
-            run.logits.append(out.logits)
-            run.tokens.append(int(np.argmax(out.logits)))
-            step = np.asarray(run.tokens[-1:], dtype=np.int32)
-        return run
-    finally:
-        r.close()
-
-
-def run_chain(path: Path, cut: Cut, prompt: str = PROMPT, n: int = N_DECODE + 1) -> Run:
-    """Greedy generation head -> middles -> tail, each range its own executor."""
-    assert cut[0][0] == 0
-    assert cut[-1][1] == N_LAYER
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(cut))
-    arts = [ensure_range(path, a, b) for a, b in cut]
-    assert [a.role for a in arts] == [Role.HEAD, *[Role.MIDDLE] * (len(cut) - 2), Role.TAIL]
-    for art in arts:
-        assert_loadable_swa(art.range_path)
-    ranges: list[LlamaRange] = []
-    try:
-        for art in arts:
-            ranges.append(LlamaRange(art, ExecConfig()))
-        head, tail = ranges[0], ranges[-1]
-        assert tail.vocab is not None  # the tail tokenizes; the head holds only the token table
-        toks = tail.vocab.tokenize(prompt)
-        run = Run(toks, [], [])
-        step, pos = np.asarray(toks, dtype=np.int32), 0
-        while len(run.tokens) < n:
-            out = head.forward(0, pos, tokens=step)
-            for r in ranges[1:]:
-                assert out.residual is not None
-                assert out.residual.shape == (len(step), head.n_embd)
-                assert np.isfinite(out.residual).all()
-                out = r.forward(0, pos, embd=out.residual)
-            assert out.logits is not None
-            assert out.logits.shape == (tail.n_vocab_out,)
-            pos += len(step)
-            run.logits.append(out.logits)
-            run.tokens.append(int(np.argmax(out.logits)))
-            step = np.asarray(run.tokens[-1:], dtype=np.int32)
-        return run
-    finally:
-        for r in reversed(ranges):
-            r.close()
-
-
-def assert_same_run(got: Run, want: Run) -> None:
-    assert got.prompt_tokens == want.prompt_tokens
-    assert got.tokens == want.tokens
-    assert len(got.logits) == len(want.logits)
-    for i, (g, w) in enumerate(zip(got.logits, want.logits, strict=True)):
-        assert g.dtype == np.float32
-        assert w.dtype == np.float32
-        assert np.isfinite(g).all()
-        if not np.array_equal(g, w):
-            diff = np.abs(g.astype(np.float64) - w.astype(np.float64))
-            pytest.fail(f"logits of step {i} differ: max |diff| {diff.max():.3g} at token {int(diff.argmax())}")
-
-
-def assert_loadable_swa(path: Path) -> None:
-    """Fail (instead of letting llama.cpp abort the test process) on a window without SWA layers.
-
-    llama.cpp's create_memory (src/llama-model.cpp, ``GGML_ASSERT(hparams.is_swa_any())``)
-    aborts when a file declares a sliding window but no layer uses it, e.g. a
-    gemma3 slice made only of global layers (every 6th: [5, 6), [11, 12)).
-    """
-    reader = gguf.GGUFReader(path, "r")
-    arch = reader.fields["general.architecture"].contents()
-    window = reader.fields.get(f"{arch}.attention.sliding_window")
-    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
-    if window is None or not window.contents() or pattern is None:
-        return
-    flags = pattern.contents()
-    if isinstance(flags, list) and not any(flags):
-        pytest.fail(
-            f"{path} declares {arch}.attention.sliding_window={window.contents()} but none of its "
-            f"{len(flags)} layers is sliding-window: llama.cpp would abort loading it "
-            "(GGML_ASSERT(hparams.is_swa_any()) in llama_model::create_memory)"
-        )
 
 
 _whole_runs: dict[Path, Run] = {}
@@ -304,7 +198,7 @@ def test_gemma3_62_layers_refused_for_partial_cuts_allowed_whole(tiny):
         ensure_range(path, 0, 31)
     assert ensure_range(path, 0, 62).role is Role.WHOLE
     # other layer counts of gemma3 are cut
-    assert check_cut({**meta, "gemma3.block_count": 26}, "gemma3", 26, 0, 13).swa_pattern
+    assert check_cut({**meta, "gemma3.block_count": 26}, "gemma3", 26, 0, 13).swa is not None
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "granite", "phi3"])

@@ -7,7 +7,9 @@ Quotes of the C side this module relies on:
 * ``const char * ggml_get_name(const struct ggml_tensor * tensor);``,
   ``size_t ggml_nbytes(const struct ggml_tensor * tensor);`` (ggml.h)
 * ``void ggml_backend_tensor_get(const struct ggml_tensor * tensor,
-  void * data, size_t offset, size_t size);`` (ggml-backend.h)
+  void * data, size_t offset, size_t size);`` and ``void
+  ggml_backend_tensor_set(struct ggml_tensor * tensor, const void * data,
+  size_t offset, size_t size);`` (ggml-backend.h)
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ class CaptureState(ctypes.Structure):
         ("written", ctypes.c_size_t),
         ("hits", ctypes.c_int32),
         ("overflow", ctypes.c_int32),
+        ("stop", ctypes.c_int32),
+        ("tensor_set", ctypes.c_void_p),
+        ("restore", ctypes.c_char * 64),
+        ("src", ctypes.c_void_p),
+        ("src_size", ctypes.c_size_t),
+        ("src_read", ctypes.c_size_t),
+        ("restores", ctypes.c_int32),
     ]
 
 
@@ -70,13 +79,18 @@ def _addr(fn: Any) -> int:
     return value
 
 
-def new_capture_state(target: str) -> CaptureState:
+def new_capture_state(target: str = "", restore: str = "") -> CaptureState:
+    """State for ``mn_capture_eval``: capture ``target`` and stop there (if given), and overwrite
+    ``restore`` with the step's input rows once computed (if given)."""
     base = ggml_base()
     state = CaptureState()
     state.get_name = _addr(base.ggml_get_name)
     state.nbytes = _addr(base.ggml_nbytes)
     state.tensor_get = _addr(base.ggml_backend_tensor_get)
+    state.tensor_set = _addr(base.ggml_backend_tensor_set)
     state.target = target.encode()
+    state.stop = 1 if target else 0
+    state.restore = restore.encode()
     return state
 
 

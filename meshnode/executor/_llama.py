@@ -35,10 +35,15 @@ from meshnode.errors import (
 from meshnode.executor import _bindings
 from meshnode.executor.config import ExecConfig
 from meshnode.executor.context import resolve_ctx
-from meshnode.gguf.arch import POLICIES
+from meshnode.gguf.arch import InputScale
+from meshnode.gguf.archtable import POLICIES
 from meshnode.gguf.slicer import RangeArtifact, Role
 
 F32 = npt.NDArray[np.float32]
+
+
+#: gemma2.cpp: ``inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd)); cb(inpL, "inp_scaled", -1);``
+INPUT_SCALED = "inp_scaled"
 
 
 def _load_model(path: Path, *, vocab_only: bool = False) -> llama_cpp.llama_model_p:
@@ -198,12 +203,15 @@ class LlamaRange:
             raise ModelFormatError(f"{a.range_path} has {self.n_layer} layers, manifest says {a.end - a.start}")
         self.captures = self.role in (Role.HEAD, Role.MIDDLE)
         self.takes_tokens = self.role in (Role.HEAD, Role.WHOLE)
+        policy = POLICIES.get(a.manifest["source"]["arch"])
+        #: the graph scales any input it gets (gemma2): a hop fed a residual puts it back after the scale
+        self.restores_input = (policy is not None and policy.input_scale is InputScale.ALL_SQRT_EMBD
+                               and self.role in (Role.MIDDLE, Role.TAIL))
         self.vocab: Vocab | None = None
         self.table: TokenTable | None = None
         if self.role is Role.HEAD:
             # no llama.cpp vocabulary here (~10 MB of RSS): the tail tokenizes
             assert a.vocab_path is not None
-            policy = POLICIES.get(a.manifest["source"]["arch"])
             scale = math.sqrt(self.n_embd) if policy and policy.head_scales_by_sqrt_embd else None
             self.table = TokenTable(a.vocab_path, a.manifest["vocab_tensors"]["token_embd.weight"], scale)
         elif self.role in (Role.TAIL, Role.WHOLE):
@@ -229,8 +237,10 @@ class LlamaRange:
         )
         p.embeddings = False
         p.no_perf = True
-        if self.captures:
-            self._capture = _bindings.new_capture_state(f"l_out-{self.n_layer - 1}")
+        if self.captures or self.restores_input:
+            self._capture = _bindings.new_capture_state(
+                f"l_out-{self.n_layer - 1}" if self.captures else "",
+                INPUT_SCALED if self.restores_input else "")
             p.cb_eval = _bindings.capture_callback()
             p.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._capture), ctypes.c_void_p)
         self._ctx = llama_cpp.llama_init_from_model(self._model, p)
@@ -382,6 +392,10 @@ class LlamaRange:
             cap = self._capture
             cap.dst, cap.capacity = out.ctypes.data, out.nbytes
             cap.written = cap.hits = cap.overflow = 0
+        if self.restores_input:  # the batch's embd rows, laid out in the order ubatches take them
+            cap = self._capture
+            cap.src, cap.src_size = _addr(batch.embd), 4 * rows * self.n_embd
+            cap.src_read = cap.restores = cap.overflow = 0
         # llama.cpp uses n_threads_batch for any multi-token batch; a batch of sessions' decode
         # steps (one token each) is decode work: give it the decode threads (threads do not change
         # numerics). Prefill threads on every core would spin against the other hops' processes.
@@ -399,6 +413,11 @@ class LlamaRange:
             if rc == 1:
                 raise CapacityError("llama.cpp found no free KV slot for this step")
             raise ExecutorError(f"llama_decode failed with code {rc}")
+        if self.restores_input and (self._capture.overflow or self._capture.src_read != 4 * rows * self.n_embd):
+            for seq, _ in parts:
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, self._next_pos[seq], -1)
+            raise ExecutorError(f"input restore put back {self._capture.src_read} of {4 * rows * self.n_embd} bytes "
+                                f"({self._capture.restores} restores)")
         for seq, n in parts:
             self._next_pos[seq] += n
         results: list[StepOutput] = []

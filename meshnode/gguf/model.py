@@ -33,7 +33,8 @@ class ModelInfo:
     path: Path
     #: general.architecture, e.g. "llama"
     arch: str
-    #: {arch}.block_count of *this file* (a range file has its own count)
+    #: the layers of *this file* a route covers (a range file has its own count):
+    #: {arch}.block_count less {arch}.nextn_predict_layers
     n_layer: int
     #: {arch}.embedding_length: width of the residual stream
     n_embd: int
@@ -123,6 +124,10 @@ def inspect_model(path: Path) -> ModelInfo:
     n_embd = meta.get(f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int):
         raise ModelFormatError(f"{path} lacks {arch}.block_count / {arch}.embedding_length")
+    nextn = meta.get(f"{arch}.nextn_predict_layers", 0)
+    if not isinstance(nextn, int) or not 0 <= nextn < n_layer:
+        raise ModelFormatError(f"{path} has {arch}.nextn_predict_layers={nextn!r} for {n_layer} blocks")
+    n_layer -= nextn  # the trunk: next-token-prediction blocks are not part of any route
     tokens = meta.get("tokenizer.ggml.tokens")
     name = meta.get("general.name")
     ctx = meta.get(f"{arch}.context_length")

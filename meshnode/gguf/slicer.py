@@ -51,7 +51,8 @@ import gguf
 import numpy as np
 
 from meshnode.errors import ModelFormatError
-from meshnode.gguf.arch import POLICIES, check_cut, swa_layers
+from meshnode.gguf.arch import Output, check_cut, slice_kv
+from meshnode.gguf.archtable import POLICIES
 from meshnode.gguf.meta import GGUFMeta, TensorInfo, read_meta, tensor_data
 from meshnode.gguf.model import ModelInfo, check_file, fingerprint, inspect_model
 from meshnode.paths import cache_dir
@@ -143,13 +144,14 @@ def ties_output(src: GGUFMeta, arch: str) -> bool:
     """Whether a tail of ``src`` carries ``output.weight``'s bytes as its ``token_embd`` (and no ``output.weight``).
 
     Only for an untied model (it has ``output.weight``) of an architecture
-    whose loader falls back to ``token_embd`` for the lm_head (arch.py), with
-    ``output.weight`` of ``token_embd``'s shape; not when anything else refers
-    to the output tensor: NVFP4 scale tensors (``output.scale``, ...) or a
-    per-tensor precision table by name (``general.tensor_extra.name``).
+    whose loader falls back to ``token_embd`` for the lm_head (arch.py,
+    ``Output.OPTIONAL``), with ``output.weight`` of ``token_embd``'s shape; not
+    when anything else refers to the output tensor: NVFP4 scale tensors
+    (``output.scale``, ...) or a per-tensor precision table by name
+    (``general.tensor_extra.name``).
     """
     policy = POLICIES.get(arch)
-    if policy is None or not policy.output_falls_back_to_token_embd:
+    if policy is None or policy.output is not Output.OPTIONAL:
         return False
     by_name = {t.name: t for t in src.tensors}
     out, emb = by_name.get("output.weight"), by_name.get("token_embd.weight")
@@ -190,32 +192,26 @@ def _write_range(path: Path, src: GGUFMeta, arch: str, n_layer: int,
                  start: int, end: int, role: Role, out: Path, progress: Progress) -> bool:
     """Write the range file; True if its token_embd holds the source's output.weight (``ties_output``)."""
     meta = src.fields
+    policy = POLICIES[arch]
     writer = gguf.GGUFWriter(out, arch)
     tiny_vocab = role in (Role.HEAD, Role.MIDDLE)
     tie = role is Role.TAIL and ties_output(src, arch)
+    n_layer_all = int(meta[f"{arch}.block_count"])
     per_layer = {
         k for k, v in meta.items()
-        if k.startswith(f"{arch}.") and isinstance(v, list) and len(v) == n_layer
+        if k.startswith(f"{arch}.") and isinstance(v, list) and len(v) == n_layer_all
     }
-    swa = swa_layers(meta, arch, n_layer)
-    pattern_key = f"{arch}.attention.sliding_window_pattern"
-    skip = {f"{arch}.block_count", *per_layer}
-    if swa is not None:
-        # written below as explicit per-layer flags of the absolute layer index
-        skip.add(pattern_key)
-        per_layer.discard(pattern_key)
-        if not any(swa[start:end]):
-            # only global layers: declare no window at all, which computes the same,
-            # else llama.cpp aborts on GGML_ASSERT(hparams.is_swa_any()) (create_memory)
-            skip.add(f"{arch}.attention.sliding_window")
+    put, drop = slice_kv(meta, arch, n_layer, start, end, head=role is Role.HEAD)
+    per_layer -= set(put) | drop
+    skip = {f"{arch}.block_count", *per_layer, *put, *drop}
     if tiny_vocab:
         skip |= {k for k in meta if k.startswith("tokenizer.")} | {f"{arch}.vocab_size"}
     _copy_kv(writer, src, skip)
     writer.add_uint32(f"{arch}.block_count", end - start)
     for key in sorted(per_layer):
         writer.add_key_value(key, meta[key][start:end], *src.types[key])
-    if swa is not None and any(swa[start:end]):
-        writer.add_array(pattern_key, swa[start:end])
+    for key, value in sorted(put.items()):
+        _add_like(writer, src, key, value)
     if tiny_vocab:
         writer.add_string("tokenizer.ggml.model", "none")
         writer.add_uint32(f"{arch}.vocab_size", 1)
@@ -227,8 +223,11 @@ def _write_range(path: Path, src: GGUFMeta, arch: str, n_layer: int,
             continue
         if tiny_vocab and name == "token_embd.weight":
             writer.add_tensor(name, np.zeros((1, n_embd), dtype=np.float32))
-        elif (tiny_vocab or tie) and name == "output.weight":
-            continue
+        elif name == "output.weight" and (tie or policy.output is Output.TIED):
+            continue  # the tail's token_embd is its lm_head (tie), or the loader never reads it (TIED)
+        elif tiny_vocab and name == "output.weight":
+            if policy.output is Output.REQUIRED:  # the loader insists on one; never computed here
+                writer.add_tensor(name, np.zeros((1, n_embd), dtype=np.float32))
         elif tie and name == "token_embd.weight":
             assert output is not None
             _add_raw(writer, path, name, output)  # the lm_head, under the name llama.cpp falls back to
@@ -236,6 +235,22 @@ def _write_range(path: Path, src: GGUFMeta, arch: str, n_layer: int,
             _add_raw(writer, path, name, t)
     _finish(writer, progress, f"layers {start}:{end}")
     return tie
+
+
+def _add_like(writer: gguf.GGUFWriter, src: GGUFMeta, key: str, value: Any) -> None:
+    """Write ``key`` with the source's type if it has one, else a type inferred from the value."""
+    if key in src.types and not isinstance(value, list):
+        writer.add_key_value(key, value, *src.types[key])
+    elif isinstance(value, list):
+        writer.add_array(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_string(key, str(value))
 
 
 def _finish(writer: gguf.GGUFWriter, progress: Progress, what: str) -> None:
@@ -259,7 +274,7 @@ def _finish(writer: gguf.GGUFWriter, progress: Progress, what: str) -> None:
 def _write_vocab(path: Path, src: GGUFMeta, arch: str, out: Path, progress: Progress) -> None:
     """The head's vocabulary: all metadata, zero layers, and token_embd unchanged."""
     writer = gguf.GGUFWriter(out, arch)
-    _copy_kv(writer, src, {f"{arch}.block_count"})
+    _copy_kv(writer, src, {f"{arch}.block_count", f"{arch}.nextn_predict_layers"})
     writer.add_uint32(f"{arch}.block_count", 0)
     for t in src.tensors:
         if t.name == "token_embd.weight":
