@@ -22,7 +22,7 @@ from tests.tinymodels import _FTYPES, _QTYPES, _add_inferred, _n_vocab, tokenize
 #: name -> builder; filled by the family modules listed in FAMILIES
 BUILDERS: dict[str, Callable[[Tiny], None]] = {}
 #: modules under tests/tiny/ that register builders (imported on first use)
-FAMILIES = ("moe", "scaled", "windowed", "deepseek")
+FAMILIES = ("moe", "scaled", "windowed", "deepseek", "newer")
 
 
 @dataclass
