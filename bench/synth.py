@@ -20,7 +20,13 @@ into place at the end. Cached under ``meshnode.paths.cache_dir()/bench`` (``${XD
 meshnode/bench``) by a key of every parameter, and reused when a file of that key is present and its
 metadata, tensor table and size check out; ``--out PATH`` writes (or reuses) that path instead.
 
-Reproduce: ``.venv/bin/python -m bench.synth`` (prints the path on stdout; progress on stderr).
+``--arch qwen3moe`` writes a mixture-of-experts model of Qwen3-30B-A3B's shape instead (n_embd 2048, 32
+query and 4 KV heads of 128, q/k norms, experts of width 768 with 8 used per token; 64 experts a layer
+instead of 128, and as few layers as the size needs, a multiple of 6): with ``--size-gb 3`` 12 layers,
+4.3 GB, the experts 87% of the bytes; the router is F32 as in Qwen's own files.
+
+Reproduce: ``.venv/bin/python -m bench.synth`` (prints the path on stdout; progress on stderr);
+``.venv/bin/python -m bench.synth --arch qwen3moe --size-gb 3``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import numpy as np
 
 #: bump when the bytes written for the same parameters change
 FORMAT = 1
+ARCHS = ("llama", "qwen3moe")
 GIB = 1 << 30
 #: values drawn and quantized at a time (64 MB of float32)
 BLOCK_VALUES = 1 << 24
@@ -59,17 +66,26 @@ class Shape:
     n_ctx_train: int = 2048
     type: str = "q8_0"
     seed: int = 0
+    arch: str = "llama"
+    #: qwen3moe only: experts per layer, used per token, and their width; per-head width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.n_head_dim or self.n_embd // self.n_head
 
     def tensors(self) -> Iterator[tuple[str, tuple[int, ...], bool]]:
-        """(name, numpy shape (rows, row length), is a norm) in file order; numpy (out, in) is ggml {in, out}."""
+        """(name, numpy shape (…, rows, row length), is F32) in file order; numpy (out, in) is ggml {in, out}."""
         e, kv, ff = self.n_embd, self.head_dim * self.n_head_kv, self.n_ff
         yield "token_embd.weight", (self.n_vocab, e), False
         yield "output_norm.weight", (e,), True
         yield "output.weight", (self.n_vocab, e), False
+        if self.arch == "qwen3moe":
+            yield from self._moe_layers()
+            return
         for i in range(self.n_layer):
             p = f"blk.{i}."
             yield p + "attn_norm.weight", (e,), True
@@ -82,6 +98,25 @@ class Shape:
             yield p + "ffn_up.weight", (ff, e), False
             yield p + "ffn_down.weight", (e, ff), False
 
+    def _moe_layers(self) -> Iterator[tuple[str, tuple[int, ...], bool]]:
+        """qwen3moe's layer (llama.cpp src/models/qwen3moe.cpp ``load_arch_tensors``)."""
+        e, hd, x, fe = self.n_embd, self.head_dim, self.n_expert, self.n_ff_exp
+        q, kv = hd * self.n_head, hd * self.n_head_kv
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            yield p + "attn_norm.weight", (e,), True
+            yield p + "attn_q.weight", (q, e), False
+            yield p + "attn_k.weight", (kv, e), False
+            yield p + "attn_v.weight", (kv, e), False
+            yield p + "attn_output.weight", (e, q), False
+            yield p + "attn_k_norm.weight", (hd,), True
+            yield p + "attn_q_norm.weight", (hd,), True
+            yield p + "ffn_norm.weight", (e,), True
+            yield p + "ffn_gate_inp.weight", (x, e), True  # the router, F32
+            yield p + "ffn_gate_exps.weight", (x, fe, e), False
+            yield p + "ffn_down_exps.weight", (x, e, fe), False
+            yield p + "ffn_up_exps.weight", (x, fe, e), False
+
     def nbytes(self, shape: tuple[int, ...], norm: bool) -> int:
         n = math.prod(shape)
         if norm:
@@ -92,15 +127,21 @@ class Shape:
         return sum(self.nbytes(s, norm) for _, s, norm in self.tensors())
 
 
+#: Qwen3-30B-A3B's widths (its GGUF's qwen3moe.* keys), with 64 experts a layer instead of 128
+MOE_WIDTHS: dict[str, Any] = {"arch": "qwen3moe", "n_expert": 64, "n_expert_used": 8, "n_ff_exp": 768,
+                              "n_head_dim": 128, "n_ff": 6144, "n_ctx_train": 40960}
+
+
 def shape_for(size_gb: float, *, type: str = "q8_0", seed: int = 0, n_vocab: int = 49152,
-              n_layer: int | None = None) -> Shape:
+              n_layer: int | None = None, arch: str = "llama") -> Shape:
     """The default widths with the fewest layers (a multiple of 6) whose weights reach ``size_gb`` GiB."""
+    widths = MOE_WIDTHS if arch == "qwen3moe" else {}
     if n_layer is not None:
-        return Shape(n_layer=n_layer, type=type, seed=seed, n_vocab=n_vocab)
+        return Shape(n_layer=n_layer, type=type, seed=seed, n_vocab=n_vocab, **widths)
     n = 6
-    while Shape(n_layer=n, type=type, seed=seed, n_vocab=n_vocab).total_bytes() < size_gb * GIB:
+    while Shape(n_layer=n, type=type, seed=seed, n_vocab=n_vocab, **widths).total_bytes() < size_gb * GIB:
         n += 6
-    return Shape(n_layer=n, type=type, seed=seed, n_vocab=n_vocab)
+    return Shape(n_layer=n, type=type, seed=seed, n_vocab=n_vocab, **widths)
 
 
 def tokenizer_fields(source: Path) -> list[tuple[str, Any, Any, Any]]:
@@ -123,7 +164,7 @@ def cache_key(shape: Shape, tokenizer_sha256: str) -> str:
 def default_path(shape: Shape, key: str) -> Path:
     from meshnode.paths import cache_dir
 
-    name = f"synth-llama-{shape.n_embd}x{shape.n_layer}-{shape.type}-s{shape.seed}-{key}.gguf"
+    name = f"synth-{shape.arch}-{shape.n_embd}x{shape.n_layer}-{shape.type}-s{shape.seed}-{key}.gguf"
     return cache_dir() / "bench" / name
 
 
@@ -153,9 +194,9 @@ def write_model(path: Path, shape: Shape, key: str, tokenizer: list[tuple[str, A
     qtype = gguf.GGMLQuantizationType.Q8_0 if shape.type == "q8_0" else gguf.GGMLQuantizationType.F16
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    w = gguf.GGUFWriter(tmp, "llama")
-    a = "llama"
-    w.add_string("general.name", f"synth-llama-{shape.n_embd}x{shape.n_layer}-{shape.type}-s{shape.seed}")
+    a = shape.arch
+    w = gguf.GGUFWriter(tmp, a)
+    w.add_string("general.name", f"synth-{a}-{shape.n_embd}x{shape.n_layer}-{shape.type}-s{shape.seed}")
     w.add_string(KEY_FIELD, key)
     w.add_uint32(f"{a}.block_count", shape.n_layer)
     w.add_uint32(f"{a}.context_length", shape.n_ctx_train)
@@ -163,9 +204,15 @@ def write_model(path: Path, shape: Shape, key: str, tokenizer: list[tuple[str, A
     w.add_uint32(f"{a}.feed_forward_length", shape.n_ff)
     w.add_uint32(f"{a}.attention.head_count", shape.n_head)
     w.add_uint32(f"{a}.attention.head_count_kv", shape.n_head_kv)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5 if a == "llama" else 1e-6)
+    w.add_float32(f"{a}.rope.freq_base", 10000.0 if a == "llama" else 1e6)
     w.add_uint32(f"{a}.rope.dimension_count", shape.head_dim)
+    if a == "qwen3moe":
+        w.add_uint32(f"{a}.attention.key_length", shape.head_dim)
+        w.add_uint32(f"{a}.attention.value_length", shape.head_dim)
+        w.add_uint32(f"{a}.expert_count", shape.n_expert)
+        w.add_uint32(f"{a}.expert_used_count", shape.n_expert_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", shape.n_ff_exp)
     w.add_uint32(f"{a}.vocab_size", shape.n_vocab)
     w.add_uint32("general.file_type", 7 if shape.type == "q8_0" else 1)  # LLAMA_FTYPE_MOSTLY_Q8_0 / _F16
     w.add_uint32("general.quantization_version", 2)
@@ -179,8 +226,8 @@ def write_model(path: Path, shape: Shape, key: str, tokenizer: list[tuple[str, A
             w.add_tensor_info(name, s, np.dtype(np.float32), nbytes)
         elif shape.type == "f16":
             w.add_tensor_info(name, s, np.dtype(np.float16), nbytes)
-        else:  # quantized: the byte shape (rows, row bytes), converted back by gguf-py
-            w.add_tensor_info(name, (s[0], s[1] // 32 * 34), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+        else:  # quantized: the byte shape (…, rows, row bytes), converted back by gguf-py
+            w.add_tensor_info(name, (*s[:-1], s[-1] // 32 * 34), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -189,11 +236,15 @@ def write_model(path: Path, shape: Shape, key: str, tokenizer: list[tuple[str, A
     total, done, t0, last = shape.total_bytes(), 0, time.monotonic(), 0.0
     try:
         for name, s, norm in plan:
-            if norm:
+            if norm and len(s) == 1:
                 w.write_tensor_data(np.ones(s, dtype=np.float32))
                 done += shape.nbytes(s, norm)
                 continue
-            rows, cols = s
+            if norm:  # an F32 matrix (the router)
+                w.write_tensor_data(rng.standard_normal(s, dtype=np.float32) * np.float32(0.02))
+                done += shape.nbytes(s, norm)
+                continue
+            rows, cols = math.prod(s[:-1]), s[-1]  # quantized row by row: experts stack as rows
             out = np.empty((rows, cols * 2 if shape.type == "f16" else cols // 32 * 34), dtype=np.uint8)
             step = max(BLOCK_VALUES // cols, 1)
             for r in range(0, rows, step):
@@ -203,7 +254,7 @@ def write_model(path: Path, shape: Shape, key: str, tokenizer: list[tuple[str, A
                     out[r : r + len(block)] = block.astype(np.float16).view(np.uint8)
                 else:
                     out[r : r + len(block)] = gguf.quants.quantize(block, qtype)
-            w.write_tensor_data(out)
+            w.write_tensor_data(out.reshape(*s[:-1], out.shape[-1]))
             done += out.nbytes
             del out
             now = time.monotonic()
@@ -219,7 +270,7 @@ def write_model(path: Path, shape: Shape, key: str, tokenizer: list[tuple[str, A
 
 
 def ensure_model(size_gb: float = 1.0, *, out: Path | None = None, type: str = "q8_0", seed: int = 0,
-                 n_layer: int | None = None) -> Path:
+                 n_layer: int | None = None, arch: str = "llama") -> Path:
     """The synthetic model's path, writing it first unless a valid file of the same key is there."""
     from meshnode.models import DEFAULT_MODEL, pull
 
@@ -228,7 +279,9 @@ def ensure_model(size_gb: float = 1.0, *, out: Path | None = None, type: str = "
     source = pull()
     tokenizer = tokenizer_fields(source)
     n_vocab = next(len(v) for k, v, *_ in tokenizer if k == "tokenizer.ggml.tokens")
-    shape = shape_for(size_gb, type=type, seed=seed, n_vocab=n_vocab, n_layer=n_layer)
+    if arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {ARCHS}")
+    shape = shape_for(size_gb, type=type, seed=seed, n_vocab=n_vocab, n_layer=n_layer, arch=arch)
     key = cache_key(shape, DEFAULT_MODEL.sha256)
     path = out if out is not None else default_path(shape, key)
     if is_valid(path, shape, key):
@@ -250,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--type", choices=TYPES, default="q8_0", help="weight type of the matrices (default q8_0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-layer", type=int, help="layers (default: the fewest multiple of 6 reaching --size-gb)")
+    ap.add_argument("--arch", choices=ARCHS, default="llama", help="llama (dense, default) or qwen3moe (experts)")
     ns = ap.parse_args(argv)
     path = ensure_model(ns.size_gb, out=Path(ns.out) if ns.out else None, type=ns.type, seed=ns.seed,
-                        n_layer=ns.n_layer)
+                        n_layer=ns.n_layer, arch=ns.arch)
     print(path)
     return 0
 

@@ -105,9 +105,11 @@ def _add_exec_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_model_pull(ns: argparse.Namespace) -> int:
-    from meshnode.models import pull
+    from meshnode.models import DEFAULT_MODEL, KNOWN, pull
 
-    print(pull(force=ns.force))
+    if ns.name is not None and ns.name not in KNOWN:
+        raise errors.InputError(f"no model named {ns.name!r}; known: {', '.join(sorted(KNOWN))}")
+    print(pull(KNOWN[ns.name] if ns.name else DEFAULT_MODEL, force=ns.force))
     return 0
 
 
@@ -127,6 +129,15 @@ def cmd_model_slice(ns: argparse.Namespace) -> int:
           f"range digest {art.range_digest[:12]}… ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     print(json.dumps({"dir": str(art.dir), "role": art.role.value, "range": [start, end],
                       "range_digest": art.range_digest, "fingerprint": art.fingerprint}))
+    return 0
+
+
+def cmd_model_inspect(ns: argparse.Namespace) -> int:
+    """Architecture, size, experts, context, chat template, and where the model can be cut exactly."""
+    from meshnode.gguf.report import describe, render
+
+    d = describe(Path(ns.file).expanduser())
+    print(json.dumps(d, indent=1) if ns.json else render(d))
     return 0
 
 
@@ -545,13 +556,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="the default model and range artifacts")
     msub = model.add_subparsers(dest="model_command", required=True)
-    pull = msub.add_parser("pull", help="download and verify the default model (SmolLM2-135M-Instruct Q4_1)")
+    pull = msub.add_parser("pull", help="download and verify a model from the registry (default: "
+                                        "SmolLM2-135M-Instruct Q4_1)")
+    pull.add_argument("name", nargs="?", help="smollm2-135m (the default) or gemma3-270m")
     pull.add_argument("--force", action="store_true", help="download again even if cached")
     pull.set_defaults(func=cmd_model_pull)
     sl = msub.add_parser("slice", help="cut a layer range artifact (done once, then cached)")
     sl.add_argument("--model", help="GGUF file (default: the default model)")
     sl.add_argument("--layers", required=True, help="A:B, layers A..B-1")
     sl.set_defaults(func=cmd_model_slice)
+    ins = msub.add_parser("inspect", help="what a GGUF is and where it can be cut exactly (metadata only)")
+    ins.add_argument("file", help="GGUF file")
+    ins.add_argument("--json", action="store_true", help="the description as JSON")
+    ins.set_defaults(func=cmd_model_inspect)
 
     for name, text in (("serve", "serve one layer range"),
                        ("join", "start a node and announce it to the mesh (--tracker / --mdns), or --auto")):

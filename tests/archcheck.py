@@ -49,14 +49,16 @@ def _greedy(first: LlamaRange, rest: list[LlamaRange], toks: list[int], n: int) 
     run = Run(toks, [], [])
     step, pos = np.asarray(toks, dtype=np.int32), 0
     while len(run.tokens) < n:
-        out = first.forward(0, pos, tokens=step)
-        for r in rest:
-            assert out.residual is not None
-            assert out.residual.shape == (len(step), first.n_embd)
-            assert np.isfinite(out.residual).all()
-            out = r.forward(0, pos, embd=out.residual)
+        for i in range(0, len(step), first.config.n_batch):  # a long prompt in chunks of n_batch, as a route
+            chunk = step[i : i + first.config.n_batch]
+            out = first.forward(0, pos, tokens=chunk)
+            for r in rest:
+                assert out.residual is not None
+                assert out.residual.shape == (len(chunk), first.n_embd)
+                assert np.isfinite(out.residual).all()
+                out = r.forward(0, pos, embd=out.residual)
+            pos += len(chunk)
         assert out.logits is not None
-        pos += len(step)
         run.logits.append(out.logits)
         run.tokens.append(int(np.argmax(out.logits)))
         step = np.asarray(run.tokens[-1:], dtype=np.int32)

@@ -201,7 +201,7 @@ def test_gemma3_62_layers_refused_for_partial_cuts_allowed_whole(tiny):
     assert check_cut({**meta, "gemma3.block_count": 26}, "gemma3", 26, 0, 13).swa is not None
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "granite", "phi3"])
+@pytest.mark.parametrize("arch", ["bert", "t5", "mamba"])  # loaded by llama.cpp, not in the table
 def test_unknown_arch_refused_naming_it(arch):
     meta = {"general.architecture": arch, f"{arch}.block_count": 26}
     with pytest.raises(CutRefusedError, match=repr(arch)):

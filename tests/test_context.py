@@ -9,12 +9,15 @@ logits bit for bit.
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
 
 from meshnode import errors
+from meshnode.errors import RouteError
+from meshnode.executor.config import ExecConfig
 from meshnode.executor.context import CTX_ALIGN, check_fits, default_ctx_size, kv_bytes_per_token
 from meshnode.gguf import inspect_model
 from meshnode.proto import node_pb2 as pb
@@ -160,3 +163,29 @@ async def test_a_hop_refuses_a_step_beyond_its_context_naming_the_flag(node_fact
     assert "--ctx-size" in refused.error.message
     assert not refused.error.terminal
     assert ok.HasField("result")
+
+
+def test_long_rope_side_is_part_of_the_numerics(model: Path, tmp_path: Path) -> None:
+    """A LongRoPE model (phi3) takes its long factors above its original context (llama-model.cpp
+    get_rope_factors): hops on different sides of it would not compute alike, so a route refuses them."""
+    from meshnode.executor.context import resolve_ctx
+    from meshnode.routing.chain import PeerView, check_chain
+    from meshnode.wire import codec
+    from tests.tiny import make
+
+    path = make(tmp_path / "phi3.gguf", "phi3", tokenizer_from=model)  # original context 256
+    short = resolve_ctx(ExecConfig(n_ctx_per_session=256), path)
+    long = resolve_ctx(ExecConfig(n_ctx_per_session=512), path)
+    assert short.rope_ctx_orig == long.rope_ctx_orig == 256
+    k_short, k_long = (codec.numerics_key(codec.numerics_to_pb(c)) for c in (short, long))
+    assert dict(k_short)["long_rope"] is False
+    assert dict(k_long)["long_rope"] is True
+    peers = [PeerView("a", "fp", 6, 0, 3, k_short), PeerView("b", "fp", 6, 3, 6, k_long)]
+    with pytest.raises(RouteError, match="long_rope"):
+        check_chain(peers)
+    check_chain([peers[0], PeerView("b", "fp", 6, 3, 6, codec.numerics_key(codec.numerics_to_pb(
+        resolve_ctx(ExecConfig(n_ctx_per_session=128), path))))])
+    # a model without LongRoPE factors: the context is no numerics setting at all
+    plain = resolve_ctx(ExecConfig(n_ctx_per_session=4096), model)
+    assert plain.rope_ctx_orig == 0
+    assert dict(codec.numerics_key(codec.numerics_to_pb(plain)))["long_rope"] is False

@@ -57,8 +57,12 @@ def exec_config(ev: CheckedEvidence) -> ExecConfig:
     """The accused's numerics as its seals state them, one session, a context that holds every position."""
     n = ev.numerics
     ctx = -(-ev.positions // CTX_ALIGN) * CTX_ALIGN
-    return ExecConfig(n_ctx_per_session=ctx, n_batch=n.n_batch, n_ubatch=n.n_ubatch, flash_attn=n.flash_attn,
-                      max_sessions=1, inline_decode=False)
+    if n.rope_ctx_orig and n.n_ctx_per_session > n.rope_ctx_orig:  # the accused's long rope factors
+        ctx = max(ctx, n.rope_ctx_orig + CTX_ALIGN)
+    elif n.rope_ctx_orig and ctx > n.rope_ctx_orig:  # its short ones (its positions fit its context)
+        ctx = n.rope_ctx_orig
+    return ExecConfig(n_ctx_per_session=ctx, rope_ctx_orig=n.rope_ctx_orig, n_batch=n.n_batch,
+                      n_ubatch=n.n_ubatch, flash_attn=n.flash_attn, max_sessions=1, inline_decode=False)
 
 
 def check_model(ev: CheckedEvidence, model: Path, fp: str | None = None) -> ModelInfo:

@@ -220,6 +220,7 @@ class LlamaRange:
         self._context()
         self._batch_tok = self._batch(embd=0)
         self._batch_emb = self._batch(embd=self.n_embd)
+        self._mrope_pos = self._mrope_positions()
         self._next_pos = [0] * self.config.max_sessions
 
     def _context(self) -> None:
@@ -267,6 +268,25 @@ class LlamaRange:
         self._stack.callback(llama_cpp.llama_batch_free, batch)
         return batch  # type: ignore[no-any-return]
 
+    def _mrope_positions(self) -> npt.NDArray[np.int32] | None:
+        """The embeddings batch's positions for an M-RoPE graph, else None.
+
+        llama.cpp reads ``n_pos_per_embd()`` (4 for MROPE/IMROPE, llama-hparams.cpp) positions
+        per embeddings row, section-major (llama-batch.cpp: ``pos[j * n_tokens + i]``), where a
+        token row has one; ``forward_many`` writes ``[p, p, p, 0]``, what llama-graph.cpp
+        (``llm_graph_input_pos::set_input``) makes of a token's position ``p``. The batch's own
+        array (one per row) is swapped for one four times as long, and put back before it is freed.
+        """
+        rope = llama_cpp.llama_model_rope_type(self._model)
+        if rope not in (llama_cpp.LLAMA_ROPE_TYPE_MROPE, llama_cpp.LLAMA_ROPE_TYPE_IMROPE):
+            return None
+        pos = np.zeros(4 * self.config.n_batch, dtype=np.int32)
+        batch, ptype = self._batch_emb, ctypes.POINTER(llama_cpp.llama_pos)
+        own = ctypes.cast(batch.pos, ptype)  # a copy of the pointer (the field itself is a view)
+        batch.pos = pos.ctypes.data_as(ptype)  # type: ignore[assignment]  # (the binding's annotation is off)
+        self._stack.callback(setattr, batch, "pos", own)  # runs before llama_batch_free (LIFO)
+        return pos
+
     def close(self) -> None:
         self._stack.close()
 
@@ -282,7 +302,16 @@ class LlamaRange:
     def truncate(self, seq: int, n_past: int) -> None:
         """Keep only positions [0, n_past) of a sequence (a resumed session's confirmed prefix)."""
         if n_past < self._next_pos[seq]:
-            llama_cpp.llama_memory_seq_rm(self._mem, seq, n_past, -1)
+            if not llama_cpp.llama_memory_seq_rm(self._mem, seq, n_past, -1):
+                # a recurrent state (hybrid archs: qwen3next, ...) holds one state per sequence and
+                # cannot drop positions from the end (llama_memory_recurrent::seq_rm returns false):
+                # drop the whole sequence, which it can, so that a replay from position 0 rebuilds it
+                held = self._next_pos[seq]
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                self._next_pos[seq] = 0
+                raise CacheMissError(
+                    f"this hop's layers keep a recurrent state that llama.cpp cannot roll back from position "
+                    f"{held} to {n_past}; the session was cleared and must be replayed from position 0")
             self._next_pos[seq] = n_past
 
     def _check(self, seq: int, pos0: int, n: int) -> None:
@@ -348,6 +377,10 @@ class LlamaRange:
                 ctypes.memmove(_addr(batch.embd) + 4 * row * self.n_embd, emb.ctypes.data,
                                emb.nbytes)
             row += n
+        if self._mrope_pos is not None and batch is self._batch_emb:
+            pos = self._mrope_pos  # batch.pos: rows [0, rows) are written above
+            pos[rows : 3 * rows] = np.tile(pos[:rows], 2)
+            pos[3 * rows : 4 * rows] = 0
         try:
             outs = self._decode(batch, [(seq, n) for seq, _, n, _, _ in ready])
         except Exception as e:  # the whole batch failed: every chunk in it

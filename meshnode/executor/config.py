@@ -64,6 +64,9 @@ class ExecConfig:
     n_threads_batch: int = _cpus()
     #: flash attention: off, as Llama's default. Changes greedy tokens: equal on every hop.
     flash_attn: bool = False
+    #: a LongRoPE model's original context (0: none), read from the file by ``context.resolve_ctx``:
+    #: above it llama.cpp takes the long rope factors, so it is part of the numerics hops compare
+    rope_ctx_orig: int = 0
     #: run batches of single-token decode steps on the calling asyncio loop's thread instead of handing
     #: them to the llama.cpp worker thread (docs/architecture.md, "executor placement"): two thread
     #: wake-ups less per step and hop. Prompt chunks always go to the worker thread. Only with

@@ -5,6 +5,15 @@ sequence's used cells, padded to 256, whatever the cache's size (measured on
 SmolLM2: logits at ``n_ctx`` 512, 2048 and 8192 identical, max difference
 0.0). So hops of a route may differ in it; a route's context is its smallest
 hop's, and a prompt that does not fit is refused naming the flag.
+
+One exception: a model with LongRoPE factor pairs (phi3's ``rope_factors_long``
+/ ``rope_factors_short``) takes the long ones when a context's per-sequence
+size exceeds the original context (llama-model.cpp ``get_rope_factors``:
+``n_ctx_seq > hparams.n_ctx_orig_yarn``). Every hop of a route must choose
+alike: ``resolve_ctx`` records the original context in the config
+(``rope_ctx_orig``), the hop advertises it with its numerics, and a route whose
+hops lie on different sides of it is refused (wire/codec.py ``numerics_key``),
+naming the contexts; ``--ctx-size`` puts a node on the side wanted.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from pathlib import Path
 
 from meshnode.errors import InputError
 from meshnode.executor.config import ExecConfig
+from meshnode.gguf.meta import read_meta
 from meshnode.gguf.model import inspect_model
 
 #: bytes of one K or V value in the cache: f16, llama.cpp's default cache type
@@ -69,11 +79,23 @@ def check_fits(n_prompt: int, max_tokens: int, ctx: int, *, where: str = "") -> 
         )
 
 
+def long_rope_limit(range_path: Path) -> int | None:
+    """The original context of a model with LongRoPE factor pairs (above it llama.cpp switches factors), else None."""
+    meta = read_meta(range_path)
+    if not any(t.name == "rope_factors_long.weight" for t in meta.tensors):
+        return None
+    arch = meta.get("general.architecture")
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length") or meta.get(f"{arch}.context_length")
+    return int(orig) if isinstance(orig, int) and orig > 0 else None
+
+
 def resolve_ctx(config: ExecConfig, range_path: Path) -> ExecConfig:
-    """``config`` with its per-session context decided: as given, or the default for this range file."""
+    """``config`` with its per-session context decided (as given, or the default for this range file) and
+    the file's LongRoPE original context recorded (``rope_ctx_orig``)."""
+    orig = long_rope_limit(range_path) or 0
     if config.n_ctx_per_session > 0:
-        return config
+        return dataclasses.replace(config, rope_ctx_orig=orig)
     info = inspect_model(range_path)  # metadata only, ~10 ms
     ctx = default_ctx_size(info.n_ctx_train, kv_bytes_per_token(info.kv_widths), config.max_sessions,
                            mem_available())
-    return dataclasses.replace(config, n_ctx_per_session=ctx)
+    return dataclasses.replace(config, n_ctx_per_session=ctx, rope_ctx_orig=orig)

@@ -218,9 +218,26 @@ def boundary_verdicts(meta: Meta, arch: str, n_layer: int) -> Verdicts:
     if everywhere:
         v.reasons = dict.fromkeys(range(1, n_layer), everywhere)
         return v
+    v.reasons.update(_windowless_side(meta, arch, n_layer, policy))
     if policy.boundary_rule is not None:
         v.reasons.update(policy.boundary_rule(meta, arch, n_layer))
     return v
+
+
+def _windowless_side(meta: Meta, arch: str, n_layer: int, policy: ArchPolicy) -> dict[int, str]:
+    """Boundaries k where every range ending at k, or every range starting at k, holds no
+    sliding-window layer: an always-windowed graph cannot load it (``check_cut``), so no route
+    can cut there (gemma2's or gpt-oss's last layer, global in a model of an even layer count)."""
+    flags = swa_layers(meta, arch, n_layer, policy)
+    if flags is None or policy.swa is None or not policy.swa.always:
+        return {}
+    out: dict[int, str] = {}
+    for k in range(1, n_layer):
+        side = "below" if not any(flags[:k]) else "from" if not any(flags[k:]) else None
+        if side is not None:
+            out[k] = (f"the layers {side} it hold no sliding-window layer, and llama.cpp's {arch} graph "
+                      "always builds a windowed cache, which it refuses without one (GGML_ASSERT(is_swa_any()))")
+    return out
 
 
 def _model_reason(meta: Meta, arch: str, n_layer: int, policy: ArchPolicy) -> str | None:

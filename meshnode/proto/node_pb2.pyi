@@ -208,6 +208,7 @@ class Numerics(_message.Message):
     N_BATCH_FIELD_NUMBER: _builtins.int
     N_UBATCH_FIELD_NUMBER: _builtins.int
     FLASH_ATTN_FIELD_NUMBER: _builtins.int
+    ROPE_CTX_ORIG_FIELD_NUMBER: _builtins.int
     n_ctx_per_session: _builtins.int
     """KV cells per session (llama.cpp n_ctx_seq, --ctx-size); a limit, not"""
     n_batch: _builtins.int
@@ -218,6 +219,8 @@ class Numerics(_message.Message):
     """physical micro-batch"""
     flash_attn: _builtins.bool
     """flash attention on/off"""
+    rope_ctx_orig: _builtins.int
+    """a LongRoPE model's original context (0: none): llama.cpp takes its long"""
     def __init__(
         self,
         *,
@@ -225,10 +228,11 @@ class Numerics(_message.Message):
         n_batch: _builtins.int = ...,
         n_ubatch: _builtins.int = ...,
         flash_attn: _builtins.bool = ...,
+        rope_ctx_orig: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["flash_attn", b"flash_attn", "n_batch", b"n_batch", "n_ctx_per_session", b"n_ctx_per_session", "n_ubatch", b"n_ubatch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["flash_attn", b"flash_attn", "n_batch", b"n_batch", "n_ctx_per_session", b"n_ctx_per_session", "n_ubatch", b"n_ubatch", "rope_ctx_orig", b"rope_ctx_orig"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,7 +34,8 @@ def error_from_pb(err: pb.Error) -> errors.MeshnodeError:
 
 def numerics_to_pb(c: ExecConfig) -> pb.Numerics:
     return pb.Numerics(
-        n_ctx_per_session=c.n_ctx_per_session, n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn
+        n_ctx_per_session=c.n_ctx_per_session, n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn,
+        rope_ctx_orig=c.rope_ctx_orig,
     )
 
 
@@ -43,11 +44,14 @@ def numerics_key(n: pb.Numerics) -> tuple[tuple[str, int | bool], ...]:
 
     ``n_ctx_per_session`` is not one of them (it bounds a session's length,
     executor/context.py): hops may differ; a route's context is its smallest.
+    Except for which side of a LongRoPE model's original context it lies on
+    (``rope_ctx_orig``): that picks the rope factors.
     """
     return (
         ("n_batch", n.n_batch),
         ("n_ubatch", n.n_ubatch),
         ("flash_attn", n.flash_attn),
+        ("long_rope", bool(n.rope_ctx_orig) and n.n_ctx_per_session > n.rope_ctx_orig),
     )
 
 
