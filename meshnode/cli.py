@@ -22,6 +22,7 @@ import trio
 from meshnode import __version__, errors
 from meshnode.audit.policy import DEFAULT_AUDIT
 from meshnode.executor.config import ExecConfig
+from meshnode.flags import check_url, exec_config
 
 if TYPE_CHECKING:
     from meshnode.runtime import Running
@@ -44,25 +45,6 @@ def _model(ns: argparse.Namespace) -> Path:
     from meshnode.models import pull
 
     return pull()
-
-
-def _exec_config(ns: argparse.Namespace) -> ExecConfig:
-    base = ExecConfig()
-    ctx = ns.ctx_size or 0
-    sessions = ns.max_sessions or base.max_sessions
-    if sessions < 1:
-        raise errors.InputError(f"--max-sessions must be at least 1, not {sessions}")
-    if not 0 <= ctx < (1 << 31) // sessions:  # llama.cpp's n_ctx (all sessions' cells) is 32-bit
-        raise errors.InputError(f"--ctx-size must be a number of tokens from 1 to {(1 << 31) // sessions - 1} "
-                                f"(0 = the default), not {ctx}")
-    return ExecConfig(
-        n_ctx_per_session=ctx,
-        max_sessions=sessions,
-        n_threads=ns.threads or base.n_threads,
-        n_threads_solo=ns.threads or base.n_threads_solo,
-        n_threads_batch=ns.threads_batch or base.n_threads_batch,
-        inline_decode=not getattr(ns, "decode_on_worker", False),
-    )
 
 
 def _hop_limits(ns: argparse.Namespace) -> HopLimits:
@@ -189,7 +171,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise errors.LayerRangeError("give --layers A:B" + (" or --auto" if getattr(ns, "join", False) else ""))
     else:
         start, end = parse_layers(ns.layers)
-    cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=_exec_config(ns),
+    cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
                      metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure,
@@ -249,33 +231,6 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     from meshnode.generation import Runner
 
     return run_chat(Runner.from_flags(ns), system=ns.system)
-
-
-def _check_endpoints(ns: argparse.Namespace) -> None:
-    """Every HOST:PORT and URL flag of ``generate``, before anything connects."""
-    from meshnode.transport.server import split_hostport
-
-    for flag, values in (("--peer", ns.peer), ("--spare", ns.spare)):
-        for v in values:
-            split_hostport(v, flag)
-    if ns.tracker:
-        check_url(ns.tracker)
-
-
-def check_url(url: str, flag: str = "--tracker") -> None:
-    """An http(s)://HOST[:PORT] URL, or InputError naming ``flag``."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
-    except ValueError:  # a port that is not a number, or out of range
-        ok = False
-    if not ok:
-        raise errors.InputError(f"{flag} {url!r} is not a URL like http://HOST:PORT")
-    from meshnode.httptls import pin_of
-
-    pin_of(url)  # a #sha256= pin, if any, is well formed and goes with https://
 
 
 def _stream_printer(as_json: bool) -> Callable[[int | None, bytes], None]:

@@ -74,7 +74,7 @@ class Runner:
 
     @classmethod
     def from_flags(cls, ns: argparse.Namespace) -> Runner:
-        from meshnode.cli import _check_endpoints, _exec_config
+        from meshnode.flags import check_endpoints, exec_config
 
         if ns.max_tokens < 1:
             raise errors.InputError("--max-tokens must be at least 1")
@@ -88,13 +88,13 @@ class Runner:
             raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR and/or --tracker URL")
         if ns.spare and not ns.peer:
             raise errors.InputError("--spare goes with --peer (with --mesh every other peer found is a spare)")
-        _check_endpoints(ns)
+        check_endpoints(ns)
         try:
             audit = AuditPolicy(rate=ns.audit_rate, every=ns.audit_every, probation=ns.audit_probation)
         except ValueError as e:
             raise errors.InputError(f"--audit-*: {e}") from None
         runner = cls(peers=list(ns.peer), spares=list(ns.spare), mesh=ns.mesh, mdns=ns.mdns, tracker=ns.tracker,
-                     discover_timeout=ns.discover_timeout, model=ns.model, exec_config=_exec_config(ns),
+                     discover_timeout=ns.discover_timeout, model=ns.model, exec_config=exec_config(ns),
                      sampling=sampling_from_flags(ns), seed=ns.seed, stop=tuple(ns.stop), max_tokens=ns.max_tokens,
                      wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
                      rejoin_wait=ns.rejoin_wait, step_timeout=ns.step_timeout, audit=audit)

@@ -54,12 +54,13 @@ def test_thread_defaults_follow_the_cpus_this_process_may_use() -> None:
 
 
 def test_threads_from_the_command_line_set_every_decode_step() -> None:
-    from meshnode.cli import _exec_config, build_parser
+    from meshnode.cli import build_parser
+    from meshnode.flags import exec_config
 
     ns = build_parser().parse_args(["serve", "--model", "m.gguf", "--layers", "0:15", "--threads", "3"])
-    cfg = _exec_config(ns)
+    cfg = exec_config(ns)
     assert (cfg.n_threads, cfg.n_threads_solo) == (3, 3)  # the user's word, alone or with company
-    cfg = _exec_config(build_parser().parse_args(["serve", "--model", "m.gguf", "--layers", "0:15"]))
+    cfg = exec_config(build_parser().parse_args(["serve", "--model", "m.gguf", "--layers", "0:15"]))
     assert (cfg.n_threads, cfg.n_threads_solo) == (ExecConfig().n_threads, _cores())
 
 
