@@ -140,3 +140,85 @@ async def test_concurrent_forwards_coalesce_into_batches(model: Path) -> None:
         assert ex.free_slots == 8
     finally:
         ex.close()
+
+
+def _moe_pair(model: Path, tmp_path: Path) -> tuple[LlamaRange, LlamaRange]:
+    from tests.tiny import make
+
+    path = make(tmp_path / "moe.gguf", "qwen3moe", tokenizer_from=model)
+    cfg = ExecConfig(max_sessions=8, n_ctx_per_session=256)
+    return LlamaRange(ensure_range(path, 0, 3), cfg), LlamaRange(ensure_range(path, 3, 6), cfg)
+
+
+def test_moe_steps_batched_would_differ_so_moe_ranges_do_not_batch(model: Path, tiny_cache: Path,
+                                                                   tmp_path: Path) -> None:
+    """With experts, one llama_decode over several sessions' steps does not give each session its solo
+    logits (ggml's mul_mat_id over several rows): shown here, it is why a MoE range never batches."""
+    head, tail = _moe_pair(model, tmp_path)
+    try:
+        assert not head.batches_exactly
+        assert not tail.batches_exactly
+        prompts = _prompts(tail)[:4]
+        solo = [_solo(head, tail, p) for p in prompts]
+        pos, last = [], []
+        for s, p in enumerate(prompts):
+            res = head.forward(s, 0, tokens=p).residual
+            out = tail.forward(s, 0, embd=res).logits
+            assert out is not None
+            last.append(int(np.argmax(out)))
+            pos.append(len(p))
+        hs = head.forward_many([Chunk(s, pos[s], tokens=np.asarray([last[s]], np.int32)) for s in range(4)])
+        ts = tail.forward_many([Chunk(s, pos[s], embd=h.residual) for s, h in enumerate(hs)
+                                if not isinstance(h, Exception)])
+        batched = [t.logits for t in ts if not isinstance(t, Exception)]
+        assert len(batched) == 4
+        assert any(not np.array_equal(b, sol[1][1]) for b, sol in zip(batched, solo, strict=True))
+    finally:
+        head.close()
+        tail.close()
+
+
+async def test_moe_range_runs_one_session_per_decode(model: Path, tiny_cache: Path, tmp_path: Path) -> None:
+    """Concurrent sessions on a MoE range: every batch holds one step, and each session's logits
+    equal its solo run."""
+    from tests.tiny import make
+
+    path = make(tmp_path / "moe.gguf", "qwen3moe", tokenizer_from=model)
+    whole = LlamaRange(ensure_range(path, 0, 6), ExecConfig(max_sessions=1, n_ctx_per_session=256))
+    assert whole.vocab is not None
+    prompts = [np.asarray(whole.vocab.tokenize(p), dtype=np.int32) for p in PROMPTS[:4]]
+    want = []
+    for p in prompts:
+        out = whole.forward(0, 0, tokens=p)
+        toks = [int(np.argmax(out.logits))]
+        for i in range(3):
+            out = whole.forward(0, len(p) + i, tokens=np.asarray(toks[-1:], np.int32))
+            toks.append(int(np.argmax(out.logits)))
+        want.append(toks)
+        whole.release(0)
+    whole.close()
+    ex = RangeExecutor(ensure_range(path, 0, 6), ExecConfig(max_sessions=4, n_ctx_per_session=256))
+    got: dict[int, list[int]] = {}
+    try:
+        slots = [ex.open_slot() for _ in range(4)]
+
+        async def one(slot: int) -> None:
+            p = prompts[slot]
+            t = await ex.forward(slot, 0, tokens=p)
+            toks = [int(np.argmax(t.output.logits))]
+            for i in range(3):
+                t = await ex.forward(slot, len(p) + i, tokens=np.asarray(toks[-1:], np.int32))
+                assert t.batch_size == 1
+                toks.append(int(np.argmax(t.output.logits)))
+            got[slot] = toks
+
+        async with trio_asyncio.open_loop():
+            async with trio.open_nursery() as nursery:
+                for s in slots:
+                    nursery.start_soon(trio_asyncio.aio_as_trio(one), s)
+            assert ex.batches_total == ex.steps_total == 16
+            for s in slots:
+                await trio_asyncio.aio_as_trio(ex.release)(s)
+    finally:
+        ex.close()
+    assert [got[s] for s in range(4)] == want

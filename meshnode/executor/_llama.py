@@ -37,6 +37,7 @@ from meshnode.executor.config import ExecConfig
 from meshnode.executor.context import resolve_ctx
 from meshnode.gguf.arch import InputScale
 from meshnode.gguf.archtable import POLICIES
+from meshnode.gguf.meta import read_meta
 from meshnode.gguf.slicer import RangeArtifact, Role
 
 F32 = npt.NDArray[np.float32]
@@ -44,6 +45,13 @@ F32 = npt.NDArray[np.float32]
 
 #: gemma2.cpp: ``inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd)); cb(inpL, "inp_scaled", -1);``
 INPUT_SCALED = "inp_scaled"
+
+
+def _n_expert(path: Path) -> int:
+    """``{arch}.expert_count`` of a GGUF (0: dense)."""
+    meta = read_meta(path)
+    n = meta.get(f"{meta.get('general.architecture')}.expert_count", 0)
+    return int(n) if isinstance(n, int) else 0
 
 
 def _load_model(path: Path, *, vocab_only: bool = False) -> llama_cpp.llama_model_p:
@@ -217,6 +225,10 @@ class LlamaRange:
         elif self.role in (Role.TAIL, Role.WHOLE):
             self.vocab = Vocab(a.range_path, self._stack)
         self.n_vocab_out = self.vocab.n_tokens if self.vocab and not self.captures else 0
+        #: several sessions' steps in one llama_decode give each what it gets alone: not with experts, where
+        #: ggml's mul_mat_id over several rows accumulates differently than over one (measured on the tiny
+        #: qwen3moe, deepseek2 and glm4moe: logits differ), so a MoE range runs one session per decode
+        self.batches_exactly = not _n_expert(a.range_path)
         self._context()
         self._batch_tok = self._batch(embd=0)
         self._batch_emb = self._batch(embd=self.n_embd)

@@ -271,6 +271,8 @@ class RangeExecutor:
         groups = max((j.groups for j in self._queue), default=1)
         decode = all(self._rows(j.chunk) == 1 for j in self._queue)
         most = -(-self.live_slots // groups) if groups > 1 and decode else 0
+        if not self._range.batches_exactly:
+            most = 1  # a MoE range: one session per llama_decode (LlamaRange.batches_exactly)
         idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch, most)
         picked = [self._queue[i] for i in idx]
         for i in sorted(idx, reverse=True):
