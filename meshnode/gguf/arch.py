@@ -160,7 +160,8 @@ def policy_for(arch: str) -> ArchPolicy:
     if arch in policies:
         return policies[arch]
     if arch in refused:
-        raise CutRefusedError(f"{arch} cannot be cut exactly: {refused[arch].reason}; it can still run whole")
+        raise CutRefusedError(
+            f"architecture {arch!r} cannot be cut exactly: {refused[arch].reason}; it can still run whole")
     raise CutRefusedError(
         f"architecture {arch!r} is not one meshnode can cut exactly "
         f"(supported: {', '.join(sorted(policies))}); it can still run whole"

@@ -250,28 +250,20 @@ REFUSED += [
              "compressed state cache, llama-kv-cache-dsv4.cpp) and always-windowed layers; graph not yet read for "
              "cuts at the pinned build", "models/deepseek4.cpp, llama-kv-cache-dsv4.cpp",
              {"deepseek4": "DeepSeek-V4-Flash"}),
-    *_refuse("qwen2vl qwen3vl qwen3vlmoe paddleocr qwen3tts",
-             "M-RoPE: llama.cpp reads an embeddings batch's positions as n_pos_per_embd (4) per token, section-major "
-             "(llama-batch.cpp, pos[j*n_tokens + i]), a token batch's as one; meshnode's hops (the head too: it "
-             "feeds looked-up rows) pass embeddings with one position per token (qwen3vl/qwen3vlmoe also read "
-             "deepstack channels from an embeddings input)",
-             "llama-model.cpp (llama_model_rope_type), llama-hparams.cpp (n_pos_per_embd), llama-batch.cpp",
-             {"qwen2vl": "Qwen2-VL, Qwen2.5-VL", "qwen3vl": "Qwen3-VL 2B-32B",
-              "qwen3vlmoe": "Qwen3-VL-30B-A3B, 235B-A22B",
-              "paddleocr": "PaddleOCR-VL", "qwen3tts": "Qwen3-TTS"}),
+    *_refuse("qwen3vl qwen3vlmoe",
+             "an embeddings batch must be n_embd x (1 + n_deepstack_layers) wide (llama_hparams::n_embd_inp: the "
+             "deepstack features added to the first layers' outputs, qwen3vl.cpp), while a hop passes the n_embd "
+             "residual; graph not yet read for cuts at the pinned build",
+             "models/qwen3vl.cpp, llama-hparams.cpp (n_embd_inp), llama-context.cpp (decode)",
+             {"qwen3vl": "Qwen3-VL 2B-32B", "qwen3vlmoe": "Qwen3-VL-30B-A3B, 235B-A22B"}),
     *_refuse("qwen35 qwen35moe qwen4exp",
-             "hybrid (gated delta-net + attention, llm_arch_is_hybrid) with interleaved M-RoPE: llama.cpp reads an "
-             "embeddings batch's positions as 4 per token (llama-batch.cpp, n_pos_per_embd), and meshnode's hops "
-             "pass one; its recurrent rollback is snapshotted by this build (n_rs_seq, llm_arch_supports_rs_rollback)",
-             "models/qwen35.cpp, llama-model.cpp (llama_model_rope_type), llama-batch.cpp",
+             "hybrid (gated delta-net + attention, llm_arch_is_hybrid) with interleaved M-RoPE; graph not yet read "
+             "for cuts at the pinned build. A forward cut keeps each hop's state and failover replay works; its "
+             f"recurrent rollback is one this build snapshots ({_SNAPSHOTS}: n_rs_seq, bounded, experimental), "
+             "which meshnode's executor does not yet request",
+             "models/qwen35.cpp, llama-arch.cpp, llama-memory-recurrent.cpp (seq_rm)",
              {"qwen35": "Qwen3.5 (e.g. 9B)", "qwen35moe": "Qwen3.5 MoE (e.g. 35B-A3B)",
               "qwen4exp": "Qwen3.8-Flash-Next"}),
-    *_refuse("glm4 hunyuan_vl",
-             "files with rope sections (GLM-4.1V/4.6V, HunyuanOCR/VL) use M-RoPE, whose embeddings batches take 4 "
-             "positions per token (llama-batch.cpp), which meshnode's hops do not pass; text-only files: graph not yet "
-             "read for cuts at the pinned build",
-             "llama-model.cpp (llama_model_rope_type: use_mrope())",
-             {"glm4": "GLM-4-9B-0414, GLM-4.1V, GLM-OCR", "hunyuan_vl": "HunyuanOCR"}),
     *_refuse("gemma3n", "per-layer inputs computed from the token ids (per_layer_tok_embd) and from layer 0's input "
              "(per_layer_model_proj), which no hop fed embeddings receives (a hop after the first sees neither); "
              "also AltUp streams and KV sharing from layer 20 fixed in code (n_layer_kv_from_start = 20)",
@@ -308,7 +300,7 @@ REFUSED += _refuse(
     "muse-glimmer openelm arctic deepseek deepseek2-ocr chatglm bitnet jais jais2 nemotron exaone exaone4 exaone-moe "
     "chameleon plm bailingmoe bailingmoe2 dots1 arcee afmoe laguna ernie4_5 ernie4_5-moe hunyuan-moe hunyuan-dense "
     "hy_v3 smollm3 smallthinker seed_oss grovemoe apertus minimax-m2 pangu-embedded mistral4 mimo2 step35 spark2_5 "
-    "maincoder talkie mellum",
+    "maincoder talkie mellum qwen2vl paddleocr qwen3tts glm4 hunyuan_vl",
     _UNREAD, "models/<arch>.cpp",
     {"deci": "Llama-3.1-Nemotron (Deci)", "falcon": "Falcon 7B/40B/180B", "grok": "Grok-1, Grok-2", "gpt2": "GPT-2",
      "gptneox": "Pythia, GPT-NeoX", "mpt": "MPT", "baichuan": "Baichuan 2", "starcoder": "StarCoder",
@@ -324,4 +316,6 @@ REFUSED += _refuse(
      "hunyuan-dense": "Hunyuan dense 0.5B-7B", "hy_v3": "Hy3", "smollm3": "SmolLM3 3B",
      "smallthinker": "SmallThinker", "seed_oss": "Seed-OSS 36B", "grovemoe": "GroveMoE", "apertus": "Apertus",
      "minimax-m2": "MiniMax-M2", "pangu-embedded": "openPangu-Embedded", "spark2_5": "Spark-X2.5-1.7B",
-     "laguna": "Laguna XS.2, S-2.1 (poolside)", "maincoder": "Maincoder-1B", "afmoe": "Arcee Trinity"})
+     "laguna": "Laguna XS.2, S-2.1 (poolside)", "maincoder": "Maincoder-1B", "afmoe": "Arcee Trinity",
+     "qwen2vl": "Qwen2-VL, Qwen2.5-VL", "paddleocr": "PaddleOCR-VL", "qwen3tts": "Qwen3-TTS",
+     "glm4": "GLM-4-9B-0414, GLM-4.1V, GLM-OCR", "hunyuan_vl": "HunyuanOCR"})
