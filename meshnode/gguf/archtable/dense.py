@@ -11,7 +11,8 @@ _LLAMA_NOTE = ("embeddings enter layer 0 unchanged; every per-layer behaviour co
 
 ENTRIES = [
     ArchPolicy("llama", "models/llama.cpp", families="Llama 2/3/3.1/3.2/3.3, Mistral 7B, Mixtral 8x7B/8x22B, "
-               "SmolLM2, TinyLlama", note=_LLAMA_NOTE, test="tests/test_arch_parity.py"),
+               "SmolLM2, TinyLlama", note=_LLAMA_NOTE,
+               test="tests/test_arch_parity.py, tests/test_arch_moe.py (Mixtral's experts, Llama 3.1's rope_freqs)"),
     ArchPolicy("qwen2", "models/qwen2.cpp", families="Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen",
                note="q/k/v biases are per-layer tensors", test="tests/test_arch_parity.py"),
     ArchPolicy("qwen3", "models/qwen3.cpp", families="Qwen3 0.6B-32B", note="q/k norms are per-layer tensors",

@@ -44,7 +44,7 @@ _GRANITE_NOTE = (
     "(rope_pattern filled alike for every layer) are model-wide; the type switch on n_layer() is a label. "
     "rope_freqs is one global tensor every slice carries. Under rope.scaling.type longrope the loader takes "
     "rope_factors_long/short instead, chosen per context (llama-model.cpp get_rope_factors: n_ctx_seq > "
-    "n_ctx_orig_yarn), as phi3"
+    "n_ctx_orig_yarn), as phi3: hops on different sides of it are refused as a route (numerics_key)"
 )
 
 ENTRIES = [
@@ -82,8 +82,9 @@ ENTRIES = [
              "n_swa = 0, set_swa_pattern(1) (no layer windowed); fused attn_qkv and gate+up (ffn_up, "
              "LLM_FFN_SWIGLU) are per-layer tensors; rope_factors_long/short are one global pair every "
              "slice carries, picked by llama-model.cpp get_rope_factors from the context (n_ctx_seq > "
-             "n_ctx_orig_yarn): exact when every hop runs the same side of rope.scaling.original_context_"
-             "length; the type switch on n_layer() is a label",
+             "n_ctx_orig_yarn): every hop advertises that original context with its numerics (rope_ctx_orig) "
+             "and a route whose hops lie on different sides of it is refused (wire/codec.py numerics_key); "
+             "the type switch on n_layer() is a label",
         test="tests/test_arch_scaled.py"),
 ]
 
