@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(whole_child(ns.model, sessions, ns.tokens, threads, threads_batch, ns.max_sessions)))
         return 0
 
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
 
     model, n_layer, cuts = model_and_cuts(ns)
     # --ctx-size 512: the same per-session context as the whole model's (n_ctx = 512 x n_seq_max)

@@ -19,7 +19,7 @@ from bench import paths
 from bench._setup import model_and_cuts
 from bench.batch_bench import run_route
 from bench.suite import load, pinned_here
-from meshnode.launch import local_route
+from meshnode.runtime.launch import local_route
 
 
 def main() -> None:

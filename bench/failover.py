@@ -22,8 +22,8 @@ import sys
 import time
 from typing import Any
 
-from meshnode.launch import NodeProcess, start_node
 from meshnode.models import pull
+from meshnode.runtime.launch import NodeProcess, start_node
 
 PROMPT = "The three primary colors are"
 ROUTE = ("0:7", "7:19", "19:30")

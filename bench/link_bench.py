@@ -21,7 +21,7 @@ from typing import Any
 
 from bench import paths
 from bench.netlab import Lab, available, lab
-from meshnode.launch import start_node
+from meshnode.runtime.launch import start_node
 
 #: the limited link's rates, megabits a second (f32's residual of SmolLM2 is 2.3 kB a token): at 1 the bucket
 #: refills between tokens, at 0.1 the rate binds

@@ -132,7 +132,7 @@ def run_whole(model: Path, ns: argparse.Namespace, threads: int, threads_batch: 
 def run_route(model: Path, cuts: list[str], ns: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     """Start one node per range, generate across them with the CLI, read every node, stop them."""
     from bench.paths import generate  # not at the top: the whole-model child imports this module
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
     with local_route(model, cuts, extra=extra) as nodes:
         peers = [n.endpoint for n in nodes]
         started = [proc_status_mb(n.proc.pid) for n in nodes]
@@ -179,7 +179,7 @@ def _stop(*args, **kwargs):
     os._exit(0)
 
 meshnode.node.RangeExecutor = _stop
-from meshnode.cli import main
+from meshnode.cli.main import main
 sys.exit(main({argv!r}))
 """
 

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import memory_bench, synth
     from meshnode.gguf import ensure_range
     from meshnode.gguf.report import describe
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
 
     model = Path(ns.model) if ns.model else synth.ensure_model(3.0, arch="qwen3moe")
     d = describe(model)

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from meshnode.launch import taskset
+from meshnode.runtime.launch import taskset
 
 ROOT = Path(__file__).resolve().parents[1]
 #: greedy SmolLM2 runs on past 200 tokens after this prompt without an end-of-generation token

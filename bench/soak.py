@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.gguf import ensure_range, inspect_model
-    from meshnode.launch import local_route
     from meshnode.models import pull
+    from meshnode.runtime.launch import local_route
 
     silence_llama_logs()
     model = Path(ns.model) if ns.model else pull()

@@ -117,7 +117,7 @@ def same_tokens(route: list[int], whole: list[int]) -> bool:
 
 def one_machine(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     from bench.route_bench import run_route
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
 
     print(f"\n== one machine: its cores shared by the route's nodes (load average {load()})", flush=True)
     whole = best_whole(model, runs, paths.LONG)
@@ -162,7 +162,7 @@ def one_machine(model: Path, runs: int, rep: Report) -> dict[str, Any]:
 
 def pinned(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     from bench.batch_bench import run_route
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
 
     print(f"\n== several machines, simulated: one core per node, the whole model on one core (load average "
           f"{load()})", flush=True)
@@ -210,7 +210,7 @@ def in_turn(runs: int, *measures: Callable[[], list[float]]) -> list[list[float]
 
 
 def tls(model: Path, runs: int, rep: Report) -> dict[str, Any]:
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
 
     print(f"\n== TLS: the pinned route with TLS and with --insecure, in turn (load average {load()})", flush=True)
     extra = ["--ctx-size", "2560", "--max-sessions", "8"]
@@ -228,7 +228,7 @@ def tls(model: Path, runs: int, rep: Report) -> dict[str, Any]:
 
 
 def audit(model: Path, runs: int, rep: Report) -> dict[str, Any]:
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
 
     print(f"\n== audit: the pinned route, audited and not, in turn (load average {load()})", flush=True)
     extra = ["--ctx-size", "2560", "--max-sessions", "8"]
@@ -249,7 +249,7 @@ def audit(model: Path, runs: int, rep: Report) -> dict[str, Any]:
 
 def batched(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     from bench.batch_bench import run_route
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
 
     print(f"\n== 8 concurrent sessions, one machine, unpinned (load average {load()})", flush=True)
     cores = len(os.sched_getaffinity(0))
@@ -281,7 +281,7 @@ def _link_counts(node: Any) -> tuple[float, float]:
 
 def bundles(model: Path, runs: int, rep: Report) -> dict[str, Any]:
     from bench.batch_bench import run_route
-    from meshnode.launch import local_route
+    from meshnode.runtime.launch import local_route
 
     print(f"\n== 8 sessions: frames bundled on a link, and a stream each (--no-link), in turn (load average "
           f"{load()})", flush=True)

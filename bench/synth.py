@@ -16,7 +16,7 @@ weights with unit-RMS input has std ~0.9.
 Stored as Q8_0 (default; llama.cpp's fast 8-bit CPU type, written with ``gguf.quants.quantize``) or F16
 (``--type f16``: twice the bytes for the same shape). Streaming: tensor infos first, then each tensor's
 bytes one tensor at a time (the biggest, token_embd, is 107 MB in Q8_0), into a temporary file renamed
-into place at the end. Cached under ``meshnode.paths.cache_dir()/bench`` (``${XDG_CACHE_HOME:-~/.cache}/
+into place at the end. Cached under ``meshnode.runtime.paths.cache_dir()/bench`` (``${XDG_CACHE_HOME:-~/.cache}/
 meshnode/bench``) by a key of every parameter, and reused when a file of that key is present and its
 metadata, tensor table and size check out; ``--out PATH`` writes (or reuses) that path instead.
 
@@ -162,7 +162,7 @@ def cache_key(shape: Shape, tokenizer_sha256: str) -> str:
 
 
 def default_path(shape: Shape, key: str) -> Path:
-    from meshnode.paths import cache_dir
+    from meshnode.runtime.paths import cache_dir
 
     name = f"synth-{shape.arch}-{shape.n_embd}x{shape.n_layer}-{shape.type}-s{shape.seed}-{key}.gguf"
     return cache_dir() / "bench" / name

@@ -1,5 +1,5 @@
 import sys
 
-from meshnode.cli import main
+from meshnode.cli.main import main
 
 sys.exit(main())

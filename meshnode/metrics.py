@@ -73,7 +73,7 @@ class NodeMetrics:
         from starlette.responses import Response
         from starlette.routing import Route
 
-        from meshnode.httpserve import asgi_app
+        from meshnode.http.serve import asgi_app
 
         async def scrape(request: Request) -> Response:
             body, content_type = self.render(request.headers.get("accept", ""))

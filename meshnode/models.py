@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from meshnode.errors import ModelDownloadError
 from meshnode.gguf.model import fingerprint
-from meshnode.paths import cache_dir
+from meshnode.runtime.paths import cache_dir
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from meshnode.gguf.model import check_file
 from meshnode.gguf.slicer import RangeArtifact
 from meshnode.identity import NodeIdentity, load_or_create, tlscert
 from meshnode.proto import node_pb2 as pb
-from meshnode.runtime import RuntimeDir, node_state_dir
-from meshnode.sdnotify import notify, run_watchdog, watchdog_interval
+from meshnode.runtime.nodes import RuntimeDir, node_state_dir
+from meshnode.runtime.sdnotify import notify, run_watchdog, watchdog_interval
 from meshnode.session.hop import HopLimits
 from meshnode.session.host import SessionHost
 from meshnode.transport import security
@@ -139,7 +139,7 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
             metrics_url = None
             if config.metrics:
                 mhost, mport = split_hostport(config.metrics)
-                from meshnode.httpserve import serve_asgi  # hypercorn + starlette cost ~9 MB: only when used
+                from meshnode.http.serve import serve_asgi  # hypercorn + starlette cost ~9 MB: only when used
 
                 bound = await nursery.start(serve_asgi, host.metrics.asgi(), mhost, mport)
                 metrics_url = f"http://{mhost}:{bound}/metrics"
@@ -168,7 +168,7 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
 async def _serve_api(nursery: trio.Nursery, config: NodeConfig, aio: AioThread, addr: str, sdir: Path) -> str:
     """The API over the mesh this node sees: itself, its tracker, its mDNS; its sessions on ``aio``."""
     from meshnode.api import ApiConfig, MeshSource, run_api
-    from meshnode.httptls import self_signed
+    from meshnode.http.tls import self_signed
 
     assert config.api is not None
     host, _ = split_hostport(config.api)

@@ -22,8 +22,8 @@ import pytest
 
 from meshnode.errors import typed_leaf
 from meshnode.executor._bindings import silence_llama_logs
-from meshnode.launch import NodeProcess, local_route, start_node
 from meshnode.models import pull
+from meshnode.runtime.launch import NodeProcess, local_route, start_node
 from meshnode.transport.aiothread import AioThread, _log_loop_error, _serve_loop
 
 PROMPT = "The three primary colors are"

@@ -85,6 +85,6 @@ def test_meshnode_programs_never_import_trio_asyncio() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, meshnode.cli, meshnode.node, meshnode.membership, meshnode.demo, meshnode.session.mesh, "
-            "meshnode.discovery.mdns; sys.exit('trio_asyncio' in sys.modules)")
+    code = ("import sys, meshnode.cli.main, meshnode.node, meshnode.cli.membership, meshnode.cli.demo, "
+            "meshnode.session.mesh, meshnode.discovery.mdns; sys.exit('trio_asyncio' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

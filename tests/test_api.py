@@ -24,7 +24,7 @@ import openai
 import pytest
 import trio
 
-from meshnode.launch import NodeProcess
+from meshnode.runtime.launch import NodeProcess
 from meshnode.transport.client import health
 from tests.conftest import aio
 

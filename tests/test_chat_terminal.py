@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import trio
 
-from meshnode.launch import NodeProcess
+from meshnode.runtime.launch import NodeProcess
 from meshnode.transport.client import health
 from tests.conftest import aio
 

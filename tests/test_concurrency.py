@@ -50,9 +50,9 @@ from meshnode.executor.config import ExecConfig
 from meshnode.gguf.slicer import ensure_range
 from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import sign_control
-from meshnode.launch import NodeProcess
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.runtime.launch import NodeProcess
 from meshnode.session.initiator import GenerateConfig, GenerationResult, RouteSession, check_route, generate
 from meshnode.transport.client import health, open_channel, tokenize
 from meshnode.wire.tensors import decode_bundle

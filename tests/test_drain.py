@@ -28,8 +28,8 @@ import pytest
 import trio
 import trio_asyncio
 
-from meshnode.launch import NodeProcess, start_node
 from meshnode.proto import node_pb2 as pb
+from meshnode.runtime.launch import NodeProcess, start_node
 from meshnode.transport.client import health
 from tests.conftest import PROMPT, Reference, initiator, llama_reference
 from tests.test_tracker import _start_tracker, _stop

@@ -64,9 +64,9 @@ from meshnode import errors
 from meshnode.identity import NodeIdentity
 from meshnode.identity.attest import CLOCK_SKEW, seal
 from meshnode.identity.routeauth import OPEN_TTL, OPEN_TYPE, HopPlan, forward_proof, sign_control, sign_route
-from meshnode.launch import NodeProcess
 from meshnode.proto import node_pb2 as pb
 from meshnode.proto import node_pb2_grpc as pb_grpc
+from meshnode.runtime.launch import NodeProcess
 from meshnode.session.initiator import GenerateConfig, generate
 from meshnode.transport.client import open_channel
 from meshnode.wire.schema import SCHEMA_VERSION

@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from meshnode.launch import LISTENING
-from meshnode.paths import cache_dir
-from meshnode.runtime import probe
+from meshnode.runtime.launch import LISTENING
+from meshnode.runtime.nodes import probe
+from meshnode.runtime.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@ listener, each a real process. After the barrage the process is alive, still ser
 request (a real signed registration, for the tracker), and its memory grew by a bounded amount.
 
 Each hostile exchange must end in a 4xx answer or a close, well within the servers' limits
-(meshnode/httpserve.py: 5 s for a request head, 10 s of silence inside a request).
+(meshnode/http/serve.py: 5 s for a request head, 10 s of silence inside a request).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import trio
 
 from meshnode import errors
 from meshnode.discovery.tracker_client import lookup, register
-from meshnode.httpclient import request
+from meshnode.http.client import request
 from meshnode.identity import NodeIdentity
 from meshnode.identity.advert import advertise
 from meshnode.identity.attest import attest
@@ -292,8 +292,8 @@ async def test_the_tracker_client_refuses_an_oversized_or_endless_answer():
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    from meshnode.httpserve import asgi_app, serve_asgi
-    from meshnode.membership import _tracker_ranges
+    from meshnode.cli.membership import _tracker_ranges
+    from meshnode.http.serve import asgi_app, serve_asgi
 
     ten_mb = b"[" + b" " * (10 * 1024 * 1024) + b"]"
 
@@ -363,7 +363,7 @@ def test_a_busy_port_is_a_one_line_error(tmp_path):
 async def test_the_tracker_app_in_process_keeps_its_api_and_closes_what_it_refuses(tmp_path):
     """The tracker's routes and error answers (in this process, so that filterwarnings=error also
     sees any stream left unclosed when a body is refused)."""
-    from meshnode.httpserve import serve_asgi
+    from meshnode.http.serve import serve_asgi
     from tracker.app import MAX_REGISTER_BODY, Tracker
     from tracker.registry import Registry
 

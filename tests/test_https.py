@@ -1,4 +1,4 @@
-"""HTTPS for the tracker and the API (meshnode/httptls.py): a self-signed certificate pinned by its
+"""HTTPS for the tracker and the API (meshnode/http/tls.py): a self-signed certificate pinned by its
 fingerprint, refused when another is presented; plain HTTP off loopback refused without --insecure.
 Real tracker, node and API processes on loopback; the official ``openai`` client over HTTPS."""
 
@@ -20,8 +20,8 @@ import pytest
 import trio
 
 from meshnode import errors
-from meshnode.httpclient import request
-from meshnode.launch import NodeProcess
+from meshnode.http.client import request
+from meshnode.runtime.launch import NodeProcess
 from tests.conftest import cli
 
 PROMPT = "The three primary colors are"

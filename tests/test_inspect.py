@@ -97,3 +97,38 @@ def test_models_doc_blocks_run(model: Path) -> None:
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert "architecture" in done.stdout
+
+
+def test_hostile_metadata_gets_typed_errors(model: Path, tmp_path: Path) -> None:
+    """Keys the cut decisions read, with values of the wrong type or out of range: ``model inspect`` and
+    cutting answer with a typed error (or a verdict), never an untyped exception."""
+    from meshnode.errors import MeshnodeError
+    from meshnode.gguf.report import describe
+    from meshnode.gguf.slicer import ensure_range
+
+    bad = {
+        "qwen3moe.nextn_predict_layers": [7, 99, "x"],
+        "qwen3moe.attention.sliding_window": ["w", 3, True],
+        "qwen3moe.attention.sliding_window_pattern": [[True], "p", 0],
+        "qwen3moe.expert_used_count": ["two"],
+        "qwen3moe.block_count": [0, 1000],
+    }
+    n = 0
+    for key, values in bad.items():
+        for v in values:
+            path = make(tmp_path / f"bad{n}.gguf", "qwen3moe", tokenizer_from=model, extra_kv={key: v})
+            n += 1
+            for call in (lambda p=path: describe(p), lambda p=path: ensure_range(p, 0, 3)):
+                try:
+                    call()
+                except MeshnodeError:
+                    pass
+    for arch, key in (("deepseek2", "leading_dense_block_count"), ("llama4", "interleave_moe_layer_step")):
+        from meshnode.gguf.arch import boundary_verdicts, slice_kv
+
+        meta = {f"{arch}.block_count": 8, f"{arch}.{key}": "many", f"{arch}.attention.sliding_window": 8}
+        try:
+            boundary_verdicts(meta, arch, 8)
+            slice_kv(meta, arch, 8, 0, 4, head=True)
+        except MeshnodeError:
+            pass

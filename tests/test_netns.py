@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from bench.netlab import Host, Lab, available, lab
-from meshnode.launch import NodeProcess, start_node
+from meshnode.runtime.launch import NodeProcess, start_node
 
 why_not = available()
 pytestmark = pytest.mark.skipif(why_not is not None, reason=f"no network namespaces here: {why_not}")
@@ -41,7 +41,7 @@ def _run(host: Host, *args: str, timeout: float = 300) -> subprocess.CompletedPr
 
 def _status(client: Host, tracker: str) -> dict:
     """The tracker's /api/status, fetched from the client's host over the pinned HTTPS."""
-    code = ("import sys, trio; from meshnode.httpclient import request, tracker_url; "
+    code = ("import sys, trio; from meshnode.http.client import request, tracker_url; "
             "print(trio.run(request, tracker_url(sys.argv[1], '/api/status'))[1].decode())")
     out = subprocess.run([*client.exec(), sys.executable, "-c", code, tracker], capture_output=True, text=True,
                          timeout=60)

@@ -26,7 +26,7 @@ from meshnode.executor import _bindings, openmp
 from meshnode.executor.api import RangeExecutor
 from meshnode.executor.config import ExecConfig, _cores, _cpus
 from meshnode.gguf.slicer import ensure_range
-from meshnode.launch import start_node
+from meshnode.runtime.launch import start_node
 from meshnode.transport.aiothread import open_aio_thread
 
 
@@ -54,8 +54,8 @@ def test_thread_defaults_follow_the_cpus_this_process_may_use() -> None:
 
 
 def test_threads_from_the_command_line_set_every_decode_step() -> None:
-    from meshnode.cli import build_parser
-    from meshnode.flags import exec_config
+    from meshnode.cli.flags import exec_config
+    from meshnode.cli.main import build_parser
 
     ns = build_parser().parse_args(["serve", "--model", "m.gguf", "--layers", "0:15", "--threads", "3"])
     cfg = exec_config(ns)

@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from meshnode.paths import cache_dir
-from meshnode.runtime import find_nodes
+from meshnode.runtime.nodes import find_nodes
+from meshnode.runtime.paths import cache_dir
 from tests.conftest import cli
 
 ROOT = Path(__file__).resolve().parents[1]

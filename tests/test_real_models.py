@@ -17,8 +17,8 @@ import pytest
 
 from meshnode.errors import ModelDownloadError
 from meshnode.gguf.report import describe
-from meshnode.launch import local_route
 from meshnode.models import GEMMA3_270M, pull
+from meshnode.runtime.launch import local_route
 from tests.archcheck import assert_same_run, run_chain, run_whole
 from tests.conftest import cli, llama_reference
 

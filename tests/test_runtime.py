@@ -1,5 +1,5 @@
 """One node per state dir, held by a real lock; several nodes on one machine without inventing
-state dirs; ``status`` and ``leave`` find each node they started (meshnode/runtime.py)."""
+state dirs; ``status`` and ``leave`` find each node they started (meshnode/runtime/nodes.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from meshnode import errors
-from meshnode.launch import LISTENING
-from meshnode.runtime import RuntimeDir, address_key, default_state_dir, find_nodes, probe
+from meshnode.runtime.launch import LISTENING
+from meshnode.runtime.nodes import RuntimeDir, address_key, default_state_dir, find_nodes, probe
 from tests.conftest import cli
 
 
@@ -54,7 +54,8 @@ def test_the_lock_admits_one_holder_and_frees_on_release(tmp_path):
 def test_leave_refuses_a_node_still_starting(tmp_path):
     """A node that holds its lock but serves not yet (no node.json of its own) is not signalled."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
-                               "from meshnode.runtime import RuntimeDir; RuntimeDir(Path(sys.argv[1])).claim(hint=''); "
+                               "from meshnode.runtime.nodes import RuntimeDir; "
+                               "RuntimeDir(Path(sys.argv[1])).claim(hint=''); "
                                "print('held', flush=True); sys.stdin.read()", str(tmp_path)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -68,7 +68,8 @@ def test_the_documented_install_verifies_in_a_temporary_root(tmp_path):
     cfg = dict(line.split(" = ", 1) for line in (venv / "pyvenv.cfg").read_text().splitlines() if " = " in line)
     assert cfg["home"] == "/usr/bin"
     assert not cfg["executable"].startswith(("/root", "/home"))
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", "import meshnode.runtime; print(meshnode.__file__)"],
+    out = subprocess.run([str(venv / "bin" / "python"), "-c",
+                          "import meshnode.runtime.nodes; print(meshnode.__file__)"],
                          capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert out.stdout.startswith(str(venv)), out.stdout
     assert out.returncode == 0, out.stderr

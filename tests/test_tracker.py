@@ -384,7 +384,7 @@ async def test_a_garbled_tracker_answer_is_a_typed_error_and_bad_entries_are_ski
     from starlette.routing import Route
 
     from meshnode.discovery.tracker_client import lookup
-    from meshnode.httpserve import asgi_app, serve_asgi
+    from meshnode.http.serve import asgi_app, serve_asgi
 
     good = advertise(me := NodeIdentity.generate(), _cap(me), pb.HealthReply(), seq=1, now=int(time.time()))
     payload = body.replace(b"GOOD", base64.b64encode(good.SerializeToString()))

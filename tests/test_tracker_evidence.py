@@ -185,7 +185,7 @@ async def test_a_slow_verdict_is_polled_for(tmp_path: Path, model: Path, run: Ru
     import trio
 
     import tracker.evidence
-    from meshnode.httpserve import serve_asgi
+    from meshnode.http.serve import serve_asgi
     from tracker.app import Tracker
     from tracker.registry import Registry
 

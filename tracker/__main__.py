@@ -17,9 +17,9 @@ from pathlib import Path
 import trio
 
 from meshnode import errors
-from meshnode.httpserve import serve_asgi
-from meshnode.httptls import add_tls_flags, base_url, pin_note, tls_of
-from meshnode.paths import state_dir
+from meshnode.http.serve import serve_asgi
+from meshnode.http.tls import add_tls_flags, base_url, pin_note, tls_of
+from meshnode.runtime.paths import state_dir
 from meshnode.transport.server import split_hostport
 from tracker.app import Tracker
 from tracker.evidence import Verifier

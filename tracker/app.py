@@ -14,7 +14,7 @@ the error code, and changes nothing; a body over ``MAX_REGISTER_BODY`` is
 refused with 413 before it is read (evidence: over ``MAX_EVIDENCE_BYTES``, 64 MiB). What one source
 address may register is bounded (tracker/limits.py): over its rate, 429 with ``Retry-After`` before
 anything is verified; over its entries, 429; a full table, 503. Every other answer to a malformed request
-(bad framing, a huge head) is hypercorn's (``meshnode/httpserve.py``).
+(bad framing, a huge head) is hypercorn's (``meshnode/http/serve.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from starlette.types import ASGIApp
 
 from meshnode import errors
 from meshnode.audit.evidence import MAX_EVIDENCE_BYTES
-from meshnode.httpserve import NO_STORE, asgi_app, error_response, json_response, read_body
+from meshnode.http.serve import NO_STORE, asgi_app, error_response, json_response, read_body
 from meshnode.identity.advert import verify_advert
 from meshnode.proto import node_pb2 as pb
 from tracker import views
@@ -68,7 +68,7 @@ class Tracker:
         self.evidence_rates = RateTable(b.evidence_per_minute / 60.0, b.evidence_burst)
 
     def asgi(self) -> ASGIApp:
-        """The ASGI app (served by ``meshnode.httpserve.serve_asgi``): every request goes to ``handle``."""
+        """The ASGI app (served by ``meshnode.http.serve.serve_asgi``): every request goes to ``handle``."""
         return asgi_app([Route("/{path:path}", self.handle, methods=METHODS)])
 
     async def handle(self, req: Request) -> Response:

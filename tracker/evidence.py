@@ -12,7 +12,7 @@ an accusation the child refutes, cannot verify (no model, another model, a timeo
 malformed marks nothing.
 
 A request waits up to ``ANSWER_WITHIN`` seconds for its verdict: the HTTP server closes a connection
-silent for 10 s (meshnode/httpserve.py), and a long session's evidence may take minutes to recompute.
+silent for 10 s (meshnode/http/serve.py), and a long session's evidence may take minutes to recompute.
 Past that it gets 202 and polls ``GET /api/evidence/ID`` (ID: the sha256 of the body), which answers
 the verdict once there is one. Verdicts are kept in memory, the last ``MAX_VERDICTS``.
 """

@@ -19,7 +19,7 @@ address) and in total:
   ago; entries the tracker reached (a probe answered) are never displaced by
   newcomers. With none to displace: 503.
 
-The table of sources is itself bounded (meshnode/ratelimit.py). Pure: time
+The table of sources is itself bounded (meshnode/http/ratelimit.py). Pure: time
 comes in as ``now``.
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshnode.ratelimit import RateTable
+from meshnode.http.ratelimit import RateTable
 
 __all__ = ["Bounds", "RateTable", "Slot", "place"]
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: an ASGI app served by hypercorn (``meshnode.httpserve``).
+"""The OpenAI-compatible HTTP API: an ASGI app served by hypercorn (``meshnode.http.serve``).
 
     GET  /v1/models             models the known mesh fully covers
     POST /v1/completions        raw completion; ``stream: true`` = server-sent events
@@ -37,8 +37,8 @@ from meshnode import errors
 from meshnode.api import schema
 from meshnode.api.mesh import MeshView
 from meshnode.audit.policy import Ledger
-from meshnode.httpserve import read_body
-from meshnode.httptls import TLSFiles
+from meshnode.http.serve import read_body
+from meshnode.http.tls import TLSFiles
 from meshnode.identity import NodeIdentity
 from meshnode.session.initiator import GenerateConfig, GenerationResult, generate
 from meshnode.session.sampling import random_seed
@@ -59,7 +59,7 @@ class ApiConfig:
     deadline: float = 600.0
     #: seconds each step of a generation may take (a hop that stalls longer fails the request)
     step_timeout: float = 30.0
-    #: HTTPS certificate and key (meshnode.httptls); None: plain HTTP, loopback only unless ``insecure``
+    #: HTTPS certificate and key (meshnode.http.tls); None: plain HTTP, loopback only unless ``insecure``
     tls: TLSFiles | None = None
     #: plain HTTP off loopback allowed (``--insecure``: a closed lab network)
     insecure: bool = False

@@ -12,8 +12,8 @@ import trio
 from meshnode import errors
 from meshnode.api.app import ApiConfig, Gateway
 from meshnode.api.mesh import MeshSource, MeshView
-from meshnode.httpserve import ServeLimits, serve_asgi
-from meshnode.httptls import base_url, check_plain, is_loopback, pin_note
+from meshnode.http.serve import ServeLimits, serve_asgi
+from meshnode.http.tls import base_url, check_plain, is_loopback, pin_note
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.server import split_hostport
 

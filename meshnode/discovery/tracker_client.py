@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from meshnode import errors
 from meshnode.discovery.table import PeerEntry
-from meshnode.httpclient import request, tracker_url
+from meshnode.http.client import request, tracker_url
 from meshnode.identity import NodeIdentity
 from meshnode.identity.advert import advertise, verify_advert
 from meshnode.proto import node_pb2 as pb

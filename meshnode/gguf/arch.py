@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshnode.errors import CutRefusedError, LayerRangeError
+from meshnode.errors import CutRefusedError, LayerRangeError, ModelFormatError
 
 Meta = Mapping[str, Any]
 
@@ -175,10 +175,21 @@ def check_range(start: int, end: int, n_layer: int) -> None:
         )
 
 
+def meta_int(meta: Meta, key: str, default: int = 0) -> int:
+    """An integer hyperparameter, ``default`` when absent; ModelFormatError when it is anything but a
+    non-negative integer (the file is hostile or damaged: no decision is made on it)."""
+    v = meta.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ModelFormatError(f"{key} is {v!r}, not a non-negative integer")
+    return v
+
+
 def n_layer_of(meta: Meta, arch: str) -> int:
     """The layers a route covers: ``block_count`` less the next-token-prediction blocks
     (``n_layer() = n_layer_all - n_layer_nextn``, llama-hparams.cpp), which only drafting uses."""
-    return int(meta[f"{arch}.block_count"]) - int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    return meta_int(meta, f"{arch}.block_count") - meta_int(meta, f"{arch}.nextn_predict_layers")
 
 
 def window(meta: Meta, arch: str) -> int:
@@ -307,7 +318,7 @@ def slice_kv(meta: Meta, arch: str, n_layer: int, start: int, end: int, *,
         drop.add(nextn)  # next-token-prediction blocks are not part of any range (only drafting uses them)
     if policy.dense_lead:
         key = f"{arch}.leading_dense_block_count"
-        lead = int(meta.get(key, 0) or 0)
+        lead = meta_int(meta, key)
         put[key] = min(max(lead - start, 0), end - start)
     if policy.input_scale is InputScale.EMBEDDING_SCALE_KEY and not head:
         put[f"{arch}.embedding_scale"] = 0.0

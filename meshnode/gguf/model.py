@@ -21,7 +21,7 @@ import gguf
 
 from meshnode.errors import ModelFormatError, ModelNotFoundError
 from meshnode.gguf.meta import GGUFMeta, read_meta
-from meshnode.paths import cache_dir
+from meshnode.runtime.paths import cache_dir
 
 GGUF_MAGIC = b"GGUF"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.errors import CutRefusedError
-from meshnode.gguf.arch import boundary_verdicts, policy_for, swa_layers, window
+from meshnode.gguf.arch import boundary_verdicts, meta_int, policy_for, swa_layers, window
 from meshnode.gguf.meta import read_meta
 from meshnode.gguf.model import inspect_model
 
@@ -40,13 +40,13 @@ def describe(path: Path) -> dict[str, Any]:
         "name": info.name,
         "architecture": arch,
         "layers": n_layer,
-        "nextn_layers": int(fields.get(f"{arch}.nextn_predict_layers", 0) or 0),
+        "nextn_layers": meta_int(fields, f"{arch}.nextn_predict_layers"),
         "parameters": params,
         "size_bytes": info.size,
         "n_embd": info.n_embd,
         "n_vocab": info.n_vocab,
-        "experts": int(fields.get(f"{arch}.expert_count", 0) or 0),
-        "experts_used": _first(fields.get(f"{arch}.expert_used_count", 0)),
+        "experts": meta_int(fields, f"{arch}.expert_count"),
+        "experts_used": _most(fields, f"{arch}.expert_used_count"),
         "expert_bytes": expert_bytes,
         "context_train": info.n_ctx_train,
         "chat_template": "tokenizer.chat_template" in fields,
@@ -60,8 +60,12 @@ def describe(path: Path) -> dict[str, Any]:
     }
 
 
-def _first(v: Any) -> int:
-    return int(max(v)) if isinstance(v, list) and v else int(v or 0)
+def _most(fields: Any, key: str) -> int:
+    """A per-layer (list) or model-wide integer: its largest value."""
+    v = fields.get(key)
+    if isinstance(v, list):
+        return max((meta_int({key: x}, key) for x in v), default=0)
+    return meta_int(fields, key)
 
 
 def _size(n: float) -> str:

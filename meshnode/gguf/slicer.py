@@ -55,7 +55,7 @@ from meshnode.gguf.arch import Output, check_cut, slice_kv
 from meshnode.gguf.archtable import POLICIES
 from meshnode.gguf.meta import GGUFMeta, TensorInfo, read_meta, tensor_data
 from meshnode.gguf.model import ModelInfo, check_file, fingerprint, inspect_model
-from meshnode.paths import cache_dir
+from meshnode.runtime.paths import cache_dir
 
 #: how a cut reports its progress: (what it does, done, total)
 Progress = Callable[[str, int, int], None]

@@ -27,7 +27,7 @@ import collections
 from collections.abc import Mapping
 
 from meshnode import errors
-from meshnode.ratelimit import RateTable
+from meshnode.http.ratelimit import RateTable
 
 
 def open_rate(table: RateTable, initiator: str, now: float, per_minute: float) -> None:

@@ -23,11 +23,11 @@ from collections.abc import Awaitable, Callable
 
 from meshnode import errors
 from meshnode.executor.api import RangeExecutor
+from meshnode.http.ratelimit import RateTable
 from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import check_control, parse_open
 from meshnode.metrics import NodeMetrics
 from meshnode.proto import node_pb2 as pb
-from meshnode.ratelimit import RateTable
 from meshnode.session import admission
 from meshnode.session.admission import Recent
 from meshnode.session.flow import Flow

@@ -45,12 +45,12 @@ from meshnode.executor.context import check_fits
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import check_attested
 from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_control, sign_route
-from meshnode.paths import state_dir
 from meshnode.proto import node_pb2 as pb
 from meshnode.routing.chain import PeerView, check_chain
 from meshnode.routing.choose import Candidate
 from meshnode.routing.failover import Backoff, can_fail_over, replacement, replay_depths, spare_candidates
 from meshnode.routing.overlap import overcommitted
+from meshnode.runtime.paths import state_dir
 from meshnode.session.completion import Completion
 from meshnode.session.sampling import GREEDY, SamplingParams, check_sampling, check_stops
 from meshnode.session.sampling import to_pb as sampling_pb

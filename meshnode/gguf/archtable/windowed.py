@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from math import gcd
 
-from meshnode.gguf.arch import ArchPolicy, Meta, Output, Refused, Swa
+from meshnode.gguf.arch import ArchPolicy, Meta, Output, Refused, Swa, meta_int
 
 #: llama-hparams.h ``n_no_rope_layer_step = 4``; llama4.cpp's chunked branch keeps it
 _LLAMA4_NOPE_STEP = 4
@@ -51,7 +51,7 @@ def _llama4_boundaries(meta: Meta, arch: str, n_layer: int) -> dict[int, str]:
                "it loads (n_no_rope_layer_step = n_layer()), so a slice would skip it on its own last layer "
                "(and llama.cpp aborts such a file even whole: GGML_ASSERT(f_attn_temp_scale != 0.0f))")
         return dict.fromkeys(range(1, n_layer), why)
-    moe_step = int(meta.get(f"{arch}.interleave_moe_layer_step", 0) or 0)
+    moe_step = meta_int(meta, f"{arch}.interleave_moe_layer_step")
     step = _lcm(_LLAMA4_NOPE_STEP, max(moe_step, 1))
     phase = (f"llama4 skips RoPE on the layers il with (il + 1) % {_LLAMA4_NOPE_STEP} == 0"
              + (f" and puts experts on those with (il + 1) % {moe_step} == 0" if moe_step > 1 else "")

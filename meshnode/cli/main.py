@@ -21,11 +21,11 @@ import trio
 
 from meshnode import __version__, errors
 from meshnode.audit.policy import DEFAULT_AUDIT
+from meshnode.cli.flags import check_url, exec_config
 from meshnode.executor.config import ExecConfig
-from meshnode.flags import check_url, exec_config
 
 if TYPE_CHECKING:
-    from meshnode.runtime import Running
+    from meshnode.runtime.nodes import Running
     from meshnode.session.hop import HopLimits
 
 
@@ -163,7 +163,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if getattr(ns, "join", False) and ns.auto:
         if ns.layers:
             raise errors.InputError("give --layers or --auto, not both")
-        from meshnode.membership import auto_range
+        from meshnode.cli.membership import auto_range
 
         start, end = auto_range(_model(ns), ns.span, tracker=ns.tracker, mdns=ns.mdns)
         print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range)", file=sys.stderr)
@@ -180,7 +180,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if cfg.api:
 
         from meshnode.api.run import check_key
-        from meshnode.httptls import check_plain
+        from meshnode.http.tls import check_plain
 
         host, _ = check_key(cfg.api, cfg.api_key)  # a key off loopback, and HTTPS unless --insecure
         if not cfg.api_tls:
@@ -213,7 +213,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from meshnode.generation import Runner
+    from meshnode.cli.generation import Runner
 
     if ns.system and not ns.chat:
         raise errors.InputError("--system goes with --chat")
@@ -227,8 +227,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from meshnode.chatrepl import run_chat
-    from meshnode.generation import Runner
+    from meshnode.cli.chatrepl import run_chat
+    from meshnode.cli.generation import Runner
 
     return run_chat(Runner.from_flags(ns), system=ns.system)
 
@@ -268,12 +268,12 @@ def _print_result(result: object, as_json: bool, streamed: bool = False) -> None
 
 def cmd_id(ns: argparse.Namespace) -> int:
     from meshnode.identity import load_or_create
-    from meshnode.paths import state_dir
+    from meshnode.runtime.paths import state_dir
 
     if ns.state_dir:
         sdir = Path(ns.state_dir)
     elif ns.listen:
-        from meshnode.runtime import node_state_dir
+        from meshnode.runtime.nodes import node_state_dir
         from meshnode.transport.server import split_hostport
 
         sdir = node_state_dir(None, *split_hostport(ns.listen))[0]
@@ -314,8 +314,8 @@ def cmd_peers(ns: argparse.Namespace) -> int:
 
 def _targets(ns: argparse.Namespace, *, every: bool) -> Callable[[], list[Running]]:
     """The nodes ``leave``/``status`` name (membership.select), found anew at each call."""
-    from meshnode.membership import select
-    from meshnode.paths import state_dir
+    from meshnode.cli.membership import select
+    from meshnode.runtime.paths import state_dir
 
     if ns.state_dir and ns.listen:  # answered at once, not retried by status --wait
         raise errors.InputError("give --state-dir or --listen (a node under the default state dir), not both")
@@ -324,7 +324,7 @@ def _targets(ns: argparse.Namespace, *, every: bool) -> Callable[[], list[Runnin
 
 
 def cmd_leave(ns: argparse.Namespace) -> int:
-    from meshnode.membership import leave
+    from meshnode.cli.membership import leave
 
     if ns.all and (ns.state_dir or ns.listen):
         raise errors.InputError("give --all (every node under the default state dir) or --state-dir/--listen")
@@ -336,7 +336,7 @@ def cmd_leave(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from meshnode.membership import status, wait_serving
+    from meshnode.cli.membership import status, wait_serving
 
     targets = _targets(ns, every=True)
     doc = status(wait_serving(targets, ns.wait) if ns.wait is not None else targets())
@@ -387,8 +387,8 @@ def cmd_api(ns: argparse.Namespace) -> int:
         split_hostport(p)
     if not ns.request_timeout > 0:
         raise errors.InputError("--request-timeout must be a number of seconds > 0")
-    from meshnode.httptls import base_url, tls_of
-    from meshnode.paths import state_dir
+    from meshnode.http.tls import base_url, tls_of
+    from meshnode.runtime.paths import state_dir
 
     host, _ = check_key(ns.listen, api_key_of(ns.api_key))  # the key first: it is what guards the API
     tls = tls_of(ns, host, "the API", state_dir(), "api-tls")
@@ -412,7 +412,7 @@ def cmd_api(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from meshnode.demo import run_demo
+    from meshnode.cli.demo import run_demo
 
     return run_demo(prompt=ns.prompt, max_tokens=ns.max_tokens)
 
@@ -642,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     ns = ap.parse_args(argv)
-    from meshnode import logs
+    from meshnode.runtime import logs
 
     logs.setup(verbose=ns.verbose, json_lines=True if ns.log_json else None)
     try:

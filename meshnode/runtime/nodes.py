@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshnode import paths
 from meshnode.errors import InputError
+from meshnode.runtime import paths
 
 LOCK_FILE = "node.lock"
 INFO_FILE = "node.json"

@@ -54,6 +54,6 @@ def check_url(url: str, flag: str = "--tracker") -> None:
         ok = False
     if not ok:
         raise errors.InputError(f"{flag} {url!r} is not a URL like http://HOST:PORT")
-    from meshnode.httptls import pin_of
+    from meshnode.http.tls import pin_of
 
     pin_of(url)  # a #sha256= pin, if any, is well formed and goes with https://

@@ -29,7 +29,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnode import errors
-from meshnode.httptls import TLSFiles
+from meshnode.http.tls import TLSFiles
 
 log = logging.getLogger("meshnode.http")
 # hypercorn announces each bind as "Running on ... (CTRL + C to quit)"; our services print their own line

@@ -14,7 +14,7 @@ import sys
 from typing import TextIO
 
 from meshnode import errors
-from meshnode.generation import Runner
+from meshnode.cli.generation import Runner
 
 HELP = "Ctrl-C stops an answer; /reset starts over; Ctrl-D or /exit leaves."
 

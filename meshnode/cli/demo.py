@@ -12,8 +12,8 @@ import sys
 import trio
 
 from meshnode.gguf import inspect_model
-from meshnode.launch import local_route
 from meshnode.models import pull
+from meshnode.runtime.launch import local_route
 from meshnode.session.initiator import GenerateConfig, GenerationResult, generate
 from meshnode.transport.aiothread import open_aio_thread
 

@@ -18,9 +18,9 @@ import trio
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.gguf.model import fingerprint, inspect_model
-from meshnode.httpclient import request, tracker_url
+from meshnode.http.client import request, tracker_url
 from meshnode.routing.assign import coverage, weakest_range
-from meshnode.runtime import Running, find_nodes, probe
+from meshnode.runtime.nodes import Running, find_nodes, probe
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.client import get_capability, health
 

@@ -36,7 +36,7 @@ async def request(url: str, method: str = "GET", body: bytes = b"", *, content_t
     """
     import httpx  # ~3 MB and ~0.15 s of imports: paid only by programs that talk to a tracker
 
-    from meshnode import httptls
+    from meshnode.http import tls as httptls
 
     host = _check_url(url)
     pin = httptls.pin_of(url)

@@ -74,7 +74,7 @@ class Runner:
 
     @classmethod
     def from_flags(cls, ns: argparse.Namespace) -> Runner:
-        from meshnode.flags import check_endpoints, exec_config
+        from meshnode.cli.flags import check_endpoints, exec_config
 
         if ns.max_tokens < 1:
             raise errors.InputError("--max-tokens must be at least 1")
