@@ -25,6 +25,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from meshnode.gguf.slicer import add_inferred as _add_inferred
+
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 _QTYPES = {
@@ -239,18 +241,3 @@ def make_tiny_model(
     w.close()
     tmp.replace(path)
     return path
-
-
-def _add_inferred(w: gguf.GGUFWriter, key: str, value: Any) -> None:
-    if isinstance(value, bool):
-        w.add_bool(key, value)
-    elif isinstance(value, int):
-        w.add_uint32(key, value)
-    elif isinstance(value, float):
-        w.add_float32(key, value)
-    elif isinstance(value, str):
-        w.add_string(key, value)
-    elif isinstance(value, list | tuple):
-        w.add_array(key, list(value))
-    else:
-        raise TypeError(f"cannot write {key}={value!r}")

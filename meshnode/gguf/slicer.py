@@ -241,16 +241,24 @@ def _add_like(writer: gguf.GGUFWriter, src: GGUFMeta, key: str, value: Any) -> N
     """Write ``key`` with the source's type if it has one, else a type inferred from the value."""
     if key in src.types and not isinstance(value, list):
         writer.add_key_value(key, value, *src.types[key])
-    elif isinstance(value, list):
-        writer.add_array(key, value)
-    elif isinstance(value, bool):
+    else:
+        add_inferred(writer, key, value)
+
+
+def add_inferred(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """Write ``key`` typed by its value: bool, int as uint32, float as float32, str, or an array."""
+    if isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):
         writer.add_uint32(key, value)
     elif isinstance(value, float):
         writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list | tuple):
+        writer.add_array(key, list(value))
     else:
-        writer.add_string(key, str(value))
+        raise TypeError(f"cannot write {key}={value!r}")
 
 
 def _finish(writer: gguf.GGUFWriter, progress: Progress, what: str) -> None:
