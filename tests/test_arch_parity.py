@@ -226,3 +226,11 @@ def test_llama_file_with_sliding_window_refused(tiny):
     with pytest.raises(CutRefusedError, match="sliding window"):
         ensure_range(path, 0, 5)
     assert ensure_range(path, 0, N_LAYER).role is Role.WHOLE
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_boundary_equals_whole(tiny, name):
+    """Every one of the 11 boundaries as a 2-hop route, and two 3-hop cuts (issue 22, item 2)."""
+    from tests.archcheck import check_every_cut
+
+    assert check_every_cut(tiny(name), three_hop=[CUTS[1], CUTS[2]]) == list(range(1, N_LAYER))
