@@ -65,11 +65,11 @@ def _greedy(first: LlamaRange, rest: list[LlamaRange], toks: list[int], n: int) 
     return run
 
 
-def run_whole(path: Path, prompt: str = PROMPT, n: int = N_DECODE + 1) -> Run:
+def run_whole(path: Path, prompt: str = PROMPT, n: int = N_DECODE + 1, config: ExecConfig | None = None) -> Run:
     n_layer = inspect_model(path).n_layer
     art = ensure_range(path, 0, n_layer)
     assert art.role is Role.WHOLE
-    r = LlamaRange(art, ExecConfig())
+    r = LlamaRange(art, config or ExecConfig())
     try:
         assert r.vocab is not None
         return _greedy(r, [], r.vocab.tokenize(prompt), n)
@@ -77,7 +77,8 @@ def run_whole(path: Path, prompt: str = PROMPT, n: int = N_DECODE + 1) -> Run:
         r.close()
 
 
-def run_chain(path: Path, cut: Cut, prompt: str = PROMPT, n: int = N_DECODE + 1) -> Run:
+def run_chain(path: Path, cut: Cut, prompt: str = PROMPT, n: int = N_DECODE + 1,
+              config: ExecConfig | None = None) -> Run:
     """Greedy generation head -> middles -> tail, each range its own executor."""
     n_layer = inspect_model(path).n_layer
     assert cut[0][0] == 0
@@ -90,7 +91,7 @@ def run_chain(path: Path, cut: Cut, prompt: str = PROMPT, n: int = N_DECODE + 1)
     ranges: list[LlamaRange] = []
     try:
         for art in arts:
-            ranges.append(LlamaRange(art, ExecConfig()))
+            ranges.append(LlamaRange(art, config or ExecConfig()))
         tail = ranges[-1]
         assert tail.vocab is not None  # the tail tokenizes; the head holds only the token table
         run = _greedy(ranges[0], ranges[1:], tail.vocab.tokenize(prompt), n)

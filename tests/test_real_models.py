@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from meshnode.errors import ModelDownloadError
+from meshnode.executor.config import ExecConfig
 from meshnode.gguf.report import describe
 from meshnode.models import GEMMA3_270M, pull
 from meshnode.runtime.launch import local_route
@@ -56,8 +57,9 @@ def test_gemma3_270m_route_of_processes_equals_whole(gemma3: Path) -> None:
 
 
 def test_gemma3_270m_chains_equal_whole_logits(gemma3: Path) -> None:
-    whole = run_whole(gemma3, PROMPT, 4)
+    cfg = ExecConfig(n_ctx_per_session=1024, max_sessions=1)
+    whole = run_whole(gemma3, PROMPT, 4, cfg)
     ref = llama_reference(gemma3, PROMPT, 4, n_ctx=2048, via_generate=False)
     assert whole.tokens == ref.tokens
     for cut in ([(0, 5), (5, 18)], [(0, 6), (6, 13), (13, 18)]):
-        assert_same_run(run_chain(gemma3, cut, PROMPT, 4), whole)
+        assert_same_run(run_chain(gemma3, cut, PROMPT, 4, cfg), whole)
