@@ -6,16 +6,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshnode.executor.cpus import usable_cpus
+
 
 def _cpus() -> int:
-    """The logical CPUs this process may run on (a cpuset or ``taskset`` narrows them)."""
-    return len(os.sched_getaffinity(0)) or 1
+    """The logical CPUs this process may run on: a cpuset or ``taskset`` narrows them, and so does a
+    cgroup CPU quota (executor/cpus.py)."""
+    return usable_cpus()
 
 
 def _cores() -> int:
     """The physical cores among them: SMT siblings share one core's arithmetic units, so decode, which
     is bound by them and by memory, gains nothing from a second thread per core (llama.cpp's own default
-    counts physical cores too)."""
+    counts physical cores too). No more than a CPU quota allows."""
     seen = set()
     for cpu in os.sched_getaffinity(0):
         try:
@@ -23,7 +26,7 @@ def _cores() -> int:
             seen.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
         except OSError:
             seen.add((str(cpu), ""))
-    return len(seen) or 1
+    return min(len(seen) or 1, _cpus())
 
 
 def _poll() -> int:
