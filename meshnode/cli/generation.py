@@ -69,6 +69,9 @@ class Runner:
     step_timeout: float
     #: spot checks of the route's hops (docs/security.md, "A hop that lies")
     audit: AuditPolicy = DEFAULT_AUDIT
+    #: speculative decoding across the route: "" (off) or "ngram", and the most tokens a step drafts
+    draft: str = ""
+    draft_max: int = 8
     #: what each run reports on stderr (the seed it drew)
     say: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr, flush=True))
 
@@ -97,7 +100,8 @@ class Runner:
                      discover_timeout=ns.discover_timeout, model=ns.model, exec_config=exec_config(ns),
                      sampling=sampling_from_flags(ns), seed=ns.seed, stop=tuple(ns.stop), max_tokens=ns.max_tokens,
                      wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
-                     rejoin_wait=ns.rejoin_wait, step_timeout=ns.step_timeout, audit=audit)
+                     rejoin_wait=ns.rejoin_wait, step_timeout=ns.step_timeout, audit=audit,
+                     draft="" if ns.draft == "none" else ns.draft, draft_max=ns.draft_max)
         runner.config(prompt="", messages=(), announce=False)  # every setting checked before any work
         return runner
 
@@ -112,7 +116,8 @@ class Runner:
         cfg = GenerateConfig(prompt=prompt, messages=messages, max_tokens=self.max_tokens, sampling=sampling,
                              stop=self.stop, wire_dtype=self.wire_dtype, rejoin_wait=self.rejoin_wait,
                              step_timeout=self.step_timeout, audit=self.audit,
-                             report_to=(self.tracker,) if self.tracker else ())
+                             report_to=(self.tracker,) if self.tracker else (), draft=self.draft,
+                             draft_max=self.draft_max)
         check_generate(cfg)
         return cfg
 

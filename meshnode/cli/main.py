@@ -258,7 +258,7 @@ def _print_result(result: object, as_json: bool, streamed: bool = False) -> None
             "decode_tokens_per_second": (
                 round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
             ),
-            "failovers": result.failovers, "seed": result.seed, "audit": result.audit,
+            "failovers": result.failovers, "seed": result.seed, "audit": result.audit, "draft": result.draft,
         }))
     elif streamed:
         print()  # the text went out token by token
@@ -460,6 +460,13 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--audit-every", type=int, default=a.every, metavar="STEPS",
                    help=f"steps between two checks of an audited session: the check covering a lie starts "
                         f"within this many steps of it (default {a.every})")
+    p.add_argument("--draft", choices=["none", "ngram"], default="none",
+                   help="speculative decoding across the route: 'ngram' drafts the continuation of the text's "
+                        "last n-gram where it occurred before (prompt lookup, no model), and the route verifies "
+                        "the drafts in one step; the text is exactly the text without drafting (default none; "
+                        "an audited session does not draft)")
+    p.add_argument("--draft-max", type=int, default=8, metavar="K",
+                   help="the most tokens one step drafts (default 8; fewer while drafts fail)")
     _add_exec_flags(p)
 
 

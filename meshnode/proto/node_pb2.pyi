@@ -1286,6 +1286,7 @@ class Step(_message.Message):
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
     REPLAY_HOPS_FIELD_NUMBER: _builtins.int
+    DRAFT_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """idempotency key: strictly increasing per session"""
     work_id: _builtins.str
@@ -1304,6 +1305,17 @@ class Step(_message.Message):
     """For a replay step: how many hops, counting the receiver, must see it (0 =
     every hop). The last of them answers without forwarding: hops past the
     last one lacking these positions are spared a round trip.
+    """
+    draft: _builtins.int
+    """Speculative decoding: the step's positions are the last sampled token and
+    `draft` drafted ones after it (`tokens` carries them all, to every hop:
+    the tail checks its samples against them). Each hop computes the positions
+    one at a time, each as the single-token step it would be without drafting
+    (so the same numerics); the tail samples position 0, and position i + 1
+    only while its sample at i equalled draft token i + 1 (and was no
+    end-of-generation token): the samples come back in StepResult.tokens. A
+    hop keeps the KV of what it computed; the next step's CacheExpectation
+    tells a non-tail hop how many positions stood, and it drops the rest.
     """
     @_builtins.property
     def cache(self) -> Global___CacheExpectation:
@@ -1329,10 +1341,11 @@ class Step(_message.Message):
         deadline_unix_nanos: _builtins.int = ...,
         replay: _builtins.bool = ...,
         replay_hops: _builtins.int = ...,
+        draft: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache", "deadline_unix_nanos", b"deadline_unix_nanos", "replay", b"replay", "replay_hops", b"replay_hops", "sample", b"sample", "step_id", b"step_id", "tokens", b"tokens", "work_id", b"work_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "cache", b"cache", "deadline_unix_nanos", b"deadline_unix_nanos", "draft", b"draft", "replay", b"replay", "replay_hops", b"replay_hops", "sample", b"sample", "step_id", b"step_id", "tokens", b"tokens", "work_id", b"work_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1510,6 +1523,8 @@ class StepResult(_message.Message):
     LOGITS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    PIECES_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """the step answered"""
     duplicate: _builtins.bool
@@ -1530,6 +1545,16 @@ class StepResult(_message.Message):
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[Global___HopTiming]:
         """per-hop compute time of this step"""
 
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """a draft step's samples, in order (the accepted drafts, then the next token);"""
+
+    @_builtins.property
+    def pieces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """`token`, `piece` and `end_of_generation` are the last one's
+        their text bytes
+        """
+
     def __init__(
         self,
         *,
@@ -1541,10 +1566,12 @@ class StepResult(_message.Message):
         logits: Global___TensorBundle | None = ...,
         timings: _abc.Iterable[Global___HopTiming] | None = ...,
         last: _builtins.bool = ...,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+        pieces: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "end_of_generation", b"end_of_generation", "last", b"last", "logits", b"logits", "piece", b"piece", "step_id", b"step_id", "timings", b"timings", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "end_of_generation", b"end_of_generation", "last", b"last", "logits", b"logits", "piece", b"piece", "pieces", b"pieces", "step_id", b"step_id", "timings", b"timings", "token", b"token", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -48,6 +48,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.identity.routeauth import accept, check_open, forward_proof, parse_open
 from meshnode.proto import node_pb2 as pb
 from meshnode.session.admission import Recent
+from meshnode.session.drafts import check_draft, rollback_to, stands
 from meshnode.session.flow import Flow
 from meshnode.session.sampling import SamplingParams
 from meshnode.session.sampling import from_pb as sampling_from_pb
@@ -161,6 +162,8 @@ class HopSession:
     groups: int = 1
     #: steps computed in this session (LIE_EVERY counts them)
     computed: int = 0
+    #: non-tail: after a draft step, the least position the next step may roll this hop back to
+    draft_floor: int | None = None
 
     # -- open -----------------------------------------------------------------
 
@@ -334,8 +337,14 @@ class HopSession:
         n_past = ex.next_pos(self.slot)
         if s.replay and s.cache.n_past < n_past:
             return await self._replay_cached(frame, left)
+        if rollback_to(s.cache.n_past, n_past, self.draft_floor):  # drafted positions that did not stand
+            await self._roll_back(s.cache.n_past)
+            n_past = s.cache.n_past
+        self.draft_floor = None
         if s.cache.n_past != n_past:
             raise errors.CacheMissError(f"step expects {s.cache.n_past} cached positions; this hop holds {n_past}")
+        if s.draft:
+            return await self._draft(frame, n_past, left)
         tokens = embd = None
         wire = self.open_msg.wire_dtype or pb.DTYPE_F32
         if ex.takes_tokens:
@@ -385,6 +394,71 @@ class HopSession:
         if self.open_msg.return_logits:
             result.logits.CopyFrom(encode_bundle(out.logits[None, :], max_chunk_bytes=1 << 30))
         return _ready(result)
+
+    async def _draft(self, frame: pb.SessionFrame, n_past: int, left: float | None) -> Awaitable[pb.StepResult]:
+        """A draft step (session/drafts.py): its positions one at a time; the tail samples while drafts stand."""
+        s = frame.step
+        ex = self.executor
+        assert self.open_msg is not None
+        assert self.slot is not None
+        if self.audit or s.replay:
+            raise errors.SessionError("a draft step goes to a route session, never replayed")
+        wire = self.open_msg.wire_dtype or pb.DTYPE_F32
+        embd = None if ex.takes_tokens else decode_bundle(s.activation, n_cols=ex.n_embd,
+                                                          max_chunk_bytes=self.negotiated.max_chunk_bytes)
+        if embd is not None and s.activation.pos_start != n_past:
+            raise errors.CacheMissError(f"activation starts at position {s.activation.pos_start}, not {n_past}")
+        check_draft(len(s.tokens), s.draft, None if embd is None else embd.shape[0],
+                    most=self.negotiated.max_prefill_chunk_tokens)
+        toks = np.asarray(s.tokens, dtype=np.int32)
+        digest_in = tokens_digest(toks) if embd is None else rows_digest(embd, wire)
+        timing = pb.HopTiming(endpoint=self.endpoint, n_tokens=len(toks),
+                              bytes_in=s.activation.total_bytes if embd is not None else 4 * len(toks))
+        self.computed += 1
+        if self.downstream is not None:
+            rows = []
+            for i in range(len(toks)):
+                timed = await ex.forward(self.slot, n_past + i, tokens=toks[i:i + 1] if embd is None else None,
+                                         embd=None if embd is None else embd[i:i + 1], groups=self.groups)
+                timing.compute_nanos += timed.compute_nanos
+                assert timed.output.residual is not None
+                rows.append(timed.output.residual)
+            residual = np.concatenate(rows)
+            timing.seal.CopyFrom(self._seal(s.step_id, n_past, len(toks), digest_in, rows_digest(residual, wire)))
+            self.history[n_past] = residual
+            self.draft_floor = n_past + 1
+            return await self._forward(frame, residual, n_past, timing, left)
+        assert embd is not None
+        assert self.chain is not None
+        vocab = ex.vocab
+        assert vocab is not None
+        sampled: list[int] = []
+        logits: list[np.ndarray] = []
+        for i in range(len(toks)):
+            timed = await ex.forward(self.slot, n_past + i, embd=embd[i:i + 1], groups=self.groups)
+            timing.compute_nanos += timed.compute_nanos
+            assert timed.output.logits is not None
+            logits.append(timed.output.logits)
+            sampled.append(self.chain.sample(timed.output.logits))
+            if not stands(i, sampled[-1], s.tokens, vocab.is_eog(sampled[-1])):
+                break
+        timing.seal.CopyFrom(self._seal(s.step_id, n_past, len(sampled), digest_in, logits_digest(logits[-1]),
+                                        token=sampled[-1]))
+        result = pb.StepResult(step_id=s.step_id, timings=[timing], tokens=sampled,
+                               pieces=[vocab.piece(t) for t in sampled], token=sampled[-1],
+                               piece=vocab.piece(sampled[-1]), end_of_generation=vocab.is_eog(sampled[-1]))
+        if self.open_msg.return_logits:
+            result.logits.CopyFrom(encode_bundle(np.stack(logits), max_chunk_bytes=1 << 30))
+        return _ready(result)
+
+    async def _roll_back(self, n_past: int) -> None:
+        """Drop positions from ``n_past`` on (drafts that did not stand), and their stored rows."""
+        assert self.slot is not None
+        await self.executor.truncate(self.slot, n_past)
+        for p in [p for p in self.history if p + len(self.history[p]) > n_past]:
+            rows = self.history.pop(p)
+            if p < n_past:
+                self.history[p] = rows[: n_past - p]
 
     def _seal(self, step_id: int, pos: int, n: int, digest_in: bytes, digest_out: bytes, *,
               replayed: bool = False, token: int | None = None) -> pb.SignedEnvelope:
@@ -458,7 +532,7 @@ class HopSession:
         fwd = pb.Step(step_id=s.step_id, work_id=s.work_id, cache=s.cache, activation=bundle,
                       sample=s.sample and not s.replay, deadline_unix_nanos=codec.sooner(s.deadline_unix_nanos),
                       replay=s.replay,
-                      replay_hops=max(s.replay_hops - 1, 0))
+                      replay_hops=max(s.replay_hops - 1, 0), draft=s.draft, tokens=s.tokens if s.draft else [])
         down = self.downstream
         reply = await down.send(pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd))
         return self._downstream_result(down, reply, timing, left)

@@ -41,6 +41,7 @@ from meshnode.audit.auditor import Auditor
 from meshnode.audit.evidence import write_evidence
 from meshnode.audit.policy import DEFAULT_AUDIT, AuditPolicy, Ledger
 from meshnode.discovery.tracker_client import report_evidence
+from meshnode.drafting import DraftLength, propose
 from meshnode.executor.context import check_fits
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import check_attested
@@ -58,7 +59,7 @@ from meshnode.transport.client import get_capability, release, tokenize_chat, to
 from meshnode.transport.stream import FrameStream
 from meshnode.wire import codec
 from meshnode.wire.schema import SCHEMA_VERSION
-from meshnode.wire.tensors import decode_bundle
+from meshnode.wire.tensors import decode_bundle, encode_bundle
 
 log = logging.getLogger("meshnode.initiator")
 #: re-routes one generation may make before it gives up
@@ -108,6 +109,11 @@ class GenerateConfig:
     audit: AuditPolicy = DEFAULT_AUDIT
     #: trackers to report a caught lie to (the evidence, signed by this initiator)
     report_to: tuple[str, ...] = ()
+    #: speculative decoding: "" (off) or "ngram" (prompt lookup: drafts from the prompt and the text so
+    #: far, no model). The text is the text without drafting; an audited session does not draft
+    draft: str = ""
+    #: the most tokens drafted per step (fewer while drafts fail: drafting/length.py), ``--draft-max``
+    draft_max: int = 8
 
 
 @dataclass
@@ -129,6 +135,8 @@ class GenerationResult:
     seed: int | None = None
     #: spot checks: whether this session was audited, which hops by which replica, lies caught
     audit: dict[str, object] = field(default_factory=dict)
+    #: speculative decoding: steps that drafted, tokens drafted and accepted (empty: no drafting)
+    draft: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -226,6 +234,22 @@ class RouteSession:
 
     async def step(self, tokens: Sequence[int], *, sample: bool) -> pb.StepResult:
         return self._took(await self._step(tokens, self.n_past, sample=sample), tokens)
+
+    async def draft_step(self, tokens: Sequence[int]) -> pb.StepResult:
+        """One draft step: ``tokens`` are the last sampled token and the drafts (session/drafts.py). The
+        result's ``tokens`` are the tail's samples: the drafts that stood, then the next token; the
+        positions that stood are held by every hop from here on (the next step drops the rest)."""
+        self.step_id += 1
+        s = pb.Step(step_id=self.step_id, tokens=list(tokens), sample=True, draft=len(tokens) - 1,
+                    cache=pb.CacheExpectation(n_past=self.n_past),
+                    deadline_unix_nanos=codec.deadline_in(self.cfg.step_timeout))
+        await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch, step=s))
+        result = await self._answer(self.step_id)
+        n = len(result.tokens)
+        if not 1 <= n <= len(tokens) or list(result.tokens[:-1]) != list(tokens[1:n]) or len(result.pieces) != n:
+            raise errors.PeerError(f"answered a draft of {len(tokens) - 1} tokens with samples that do not follow "
+                                   "the drafts", hop=self.peers[-1])
+        return self._took(result, tokens[:n])
 
     async def prefill(self, chunks: Sequence[Sequence[int]], *, window: int | None = None) -> pb.StepResult:
         """Feed prompt chunks with up to ``window`` unanswered at once (default: the negotiated
@@ -427,12 +451,22 @@ async def _prompt(tail: str, cfg: GenerateConfig, tail_id: str) -> tuple[list[in
 OnToken = Callable[[int | None, bytes], None]
 
 
+#: the drafters ``--draft`` takes ("": none)
+DRAFTERS = ("", "ngram")
+#: the most tokens one step may draft
+MAX_DRAFT = 64
+
+
 def check_generate(cfg: GenerateConfig) -> None:
     """What ``generate`` (route or local) refuses before any work (InputError)."""
     if cfg.max_tokens < 0:
         raise errors.InputError("max_tokens must be at least 1 (0: as many as the context leaves)")
     check_sampling(cfg.sampling)
     check_stops(cfg.stop)
+    if cfg.draft not in DRAFTERS:
+        raise errors.InputError(f"--draft must be one of {', '.join(d or 'none' for d in DRAFTERS)}, not {cfg.draft!r}")
+    if not 1 <= cfg.draft_max <= MAX_DRAFT:
+        raise errors.InputError(f"--draft-max must be from 1 to {MAX_DRAFT}, not {cfg.draft_max}")
 
 
 def new_completion(cfg: GenerateConfig, bos: int, limit: int) -> Completion:
@@ -496,6 +530,14 @@ class _Run:
         self.backoff = Backoff()
         if rs.auditor is not None:
             rs.auditor.watch(rs.peers, rs.caps, self.known)
+        #: speculative decoding's draft length (None: not drafting). A session whose hops a replica re-runs
+        #: does not draft (the replica re-runs the steps as they were sealed); one with no replica known
+        #: drafts and stays unaudited (rs.auditor dropped: a replica found at a failover is not taken up)
+        audited = rs.auditor is not None and bool(rs.auditor.shadows)
+        self.drafting = DraftLength(most=cfg.draft_max) if cfg.draft and not audited else None
+        if self.drafting is not None:
+            rs.auditor = None
+        self.draft_stats = {"steps": 0, "drafted": 0, "accepted": 0} if self.drafting else {}
 
     async def run(self) -> GenerationResult:
         rs, cfg = self.rs, self.cfg
@@ -537,7 +579,7 @@ class _Run:
             prefill_seconds=prefill, decode_seconds=decode, route=list(rs.peers), logits=self.logits,
             bytes_per_token={k: v / steps for k, v in self.bytes_in.items()},
             failovers=[{k: v for k, v in asdict(f).items() if k != "detected_at"} for f in self.failovers],
-            seed=seed_of(cfg), audit=self._audit_summary(),
+            seed=seed_of(cfg), audit=self._audit_summary(), draft=dict(self.draft_stats),
         )
 
     def _pipeline(self) -> bool:
@@ -551,6 +593,8 @@ class _Run:
         rs, c = self.rs, self.completion
         # at least one more: Llama lets a text that ends mid-character run past max_tokens
         left = max(min(self.cfg.max_tokens, c.limit) - len(rs.sampled), 1)
+        if self.drafting is not None:
+            return await self._draft_round(left)
         if not self.cfg.delegate:
             done = self._take(await rs.step([rs.sampled[-1]], sample=True))
             await self._verify()
@@ -564,6 +608,36 @@ class _Run:
         finally:
             with contextlib.suppress(Exception):
                 await results.aclose()  # type: ignore[attr-defined]
+        return False
+
+    async def _draft_round(self, left: int) -> bool:
+        """One step with a draft of the text's continuation (or a plain step when there is none); True
+        when the generation is over. Each sample is taken as its own result, so the text, its stops and
+        its limits are exactly those of decoding one token at a time."""
+        rs = self.rs
+        assert self.drafting is not None
+        k = min(self.drafting.next(), left - 1)
+        draft = propose([*self.prompt, *rs.sampled], k) if k > 0 else []
+        if not draft:
+            done = self._take(await rs.step([rs.sampled[-1]], sample=True))
+            await self._verify()
+            return done
+        result = await rs.draft_step([rs.sampled[-1], *draft])
+        n = len(result.tokens)
+        self.drafting.update(len(draft), n - 1)
+        for key, add in (("steps", 1), ("drafted", len(draft)), ("accepted", n - 1)):
+            self.draft_stats[key] += add
+        rows = decode_bundle(result.logits, n_cols=result.logits.shape[1]) if self.cfg.return_logits else None
+        for j, tok in enumerate(result.tokens):
+            one = pb.StepResult(step_id=result.step_id, token=tok, piece=result.pieces[j],
+                                end_of_generation=j == n - 1 and result.end_of_generation)
+            if j == n - 1:
+                one.timings.extend(result.timings)
+            if rows is not None:
+                one.logits.CopyFrom(encode_bundle(rows[j : j + 1], max_chunk_bytes=1 << 30))
+            if self._take(one):
+                return True
+        await self._verify()
         return False
 
     def _take(self, result: pb.StepResult) -> bool:
