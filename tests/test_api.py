@@ -304,3 +304,26 @@ async def test_no_free_session_is_429_and_a_slow_request_is_504(api_factory: Any
     with trio.fail_after(30):
         while [(await aio(health, n.endpoint)).live_sessions for n in nodes] != [0, 0]:  # noqa: ASYNC110
             await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.8, "seed": 11}])
+def test_drafting_through_the_api_is_the_same_text(api_factory: Any, route2: list[NodeProcess],
+                                                   whole: llama_cpp.Llama, params: dict[str, Any]) -> None:
+    """Speculative decoding as the server's default (``meshnode api --draft ngram``) and per request
+    (``draft``): the answer is ``create_completion``'s, drafted or not; bad values are 400s."""
+    prompt = ("Copy this text exactly.\nText: The quick brown fox jumps over the lazy dog near the river bank.\n"
+              "Copy: The quick brown fox")
+    want = whole.create_completion(prompt, max_tokens=32, **params)["choices"][0]["text"]
+    drafting = api_factory([n.endpoint for n in route2], "--draft", "ngram")
+    plain = api_factory([n.endpoint for n in route2])
+    for a, body, drafted in ((drafting, {}, True), (drafting, {"draft": "none"}, False),
+                             (plain, {"draft": "ngram", "draft_max": 4}, True), (plain, {}, False)):
+        got = a.client().completions.create(model="smollm2 135m 8k lc100k mix1 ep2", prompt=prompt, max_tokens=32,
+                                            extra_body=body, **params)
+        assert got.choices[0].text == want
+        stats = (got.model_extra or {}).get("draft")
+        assert (stats is not None and stats["steps"] > 0) == drafted
+    for bad in ({"draft": "magic"}, {"draft": 3}, {"draft_max": 0}, {"draft_max": 65}):
+        with pytest.raises(openai.BadRequestError, match="draft"):
+            plain.client().completions.create(model="smollm2 135m 8k lc100k mix1 ep2", prompt=prompt, max_tokens=4,
+                                              extra_body=bad)

@@ -63,6 +63,9 @@ class ApiConfig:
     tls: TLSFiles | None = None
     #: plain HTTP off loopback allowed (``--insecure``: a closed lab network)
     insecure: bool = False
+    #: speculative decoding unless a request says otherwise: "" (off) or "ngram", and its most tokens a step
+    draft: str = ""
+    draft_max: int = 8
 
 
 #: what a generation reports to the request handling it, in order: pieces of text, then the end
@@ -157,6 +160,8 @@ class Gateway:
 
         cfg = GenerateConfig(prompt=job.prompt, messages=job.messages, max_tokens=job.max_tokens or 0,
                              sampling=job.sampling, stop=job.stop, step_timeout=self.config.step_timeout,
+                             draft=self.config.draft if job.draft is None else "" if job.draft == "none" else job.draft,
+                             draft_max=job.draft_max or self.config.draft_max,
                              report_to=(self.mesh.source.tracker,) if self.mesh.source.tracker else ())
         with send, scope:
             try:
@@ -195,8 +200,10 @@ class Gateway:
             status, kind = schema.error_status(end[1])
             return _error(status, end[1].message, kind, end[1].code)
         result: GenerationResult = end[1]
-        return JSONResponse(answer.whole("".join(pieces), result.stop_reason, len(result.prompt_tokens),
-                                         len(result.tokens)))
+        doc = answer.whole("".join(pieces), result.stop_reason, len(result.prompt_tokens), len(result.tokens))
+        if result.draft:  # meshnode's extension: what speculative decoding did for this answer
+            doc["draft"] = result.draft
+        return JSONResponse(doc)
 
     async def _sse(self, answer: schema.Answer, job: schema.Job, first: Event,
                    events: trio.MemoryReceiveChannel[Event], scope: trio.CancelScope) -> AsyncIterator[bytes]:

@@ -54,6 +54,10 @@ class Job:
     stream: bool = False
     #: stream_options.include_usage: a last chunk with the usage
     include_usage: bool = False
+    #: meshnode's extension: speculative decoding for this request ("ngram" or "none"; None: the server's
+    #: default, ``meshnode api --draft``), and the most tokens a step drafts (None: the server's)
+    draft: str | None = None
+    draft_max: int | None = None
 
 
 def _get(body: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
@@ -127,7 +131,14 @@ def _common(body: object, kind: str, default_max: int | None) -> dict[str, Any]:
     if max_tokens is not None and max_tokens < 1:
         raise errors.InputError("'max_tokens' must be at least 1")
     options = _get(body, "stream_options", dict, {})
-    return {"kind": kind, "model": model.strip(), "max_tokens": max_tokens, "sampling": SamplingParams(**values),
+    draft = _get(body, "draft", str, None)
+    if draft is not None and draft not in ("none", "ngram"):
+        raise errors.InputError(f"'draft' must be \"ngram\" or \"none\", not {draft!r}")
+    draft_max = _get(body, "draft_max", int, None)
+    if draft_max is not None and not 1 <= draft_max <= 64:
+        raise errors.InputError("'draft_max' must be from 1 to 64")
+    return {"draft": draft, "draft_max": draft_max,
+            "kind": kind, "model": model.strip(), "max_tokens": max_tokens, "sampling": SamplingParams(**values),
             "seeded": body.get("seed") is not None, "stop": _stop(body), "stream": _get(body, "stream", bool, False),
             "include_usage": bool(options.get("include_usage"))}
 

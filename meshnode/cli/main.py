@@ -392,8 +392,11 @@ def cmd_api(ns: argparse.Namespace) -> int:
 
     host, _ = check_key(ns.listen, api_key_of(ns.api_key))  # the key first: it is what guards the API
     tls = tls_of(ns, host, "the API", state_dir(), "api-tls")
+    if not 1 <= ns.draft_max <= 64:
+        raise errors.InputError(f"--draft-max must be from 1 to 64, not {ns.draft_max}")
     cfg = dataclasses.replace(api_config(ns.listen, ns.api_key, insecure=ns.insecure, tls=tls),
-                              deadline=ns.request_timeout)
+                              deadline=ns.request_timeout, draft="" if ns.draft == "none" else ns.draft,
+                              draft_max=ns.draft_max)
     check_exposure(cfg)
     source = MeshSource(peers=tuple(ns.peer), tracker=ns.tracker, mdns=ns.mdns)
 
@@ -630,6 +633,11 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
     api.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="cut a request that takes longer with 504 (default 600)")
+    api.add_argument("--draft", choices=["none", "ngram"], default="none",
+                     help="speculative decoding for every request that does not say (its 'draft' field): the "
+                          "text is the text without drafting (default none)")
+    api.add_argument("--draft-max", type=int, default=8, metavar="K",
+                     help="the most tokens one step drafts (default 8; a request's 'draft_max' wins)")
     api.set_defaults(func=cmd_api)
 
     ver = sub.add_parser("verify-evidence", help="check a report that a hop lied, by recomputing its range "
