@@ -140,3 +140,28 @@ def test_eight_concurrent_drafting_sessions(model: Path) -> None:
         got = json.loads(out.strip().splitlines()[-1])
         assert got["tokens"] == ref.tokens
         assert got["draft"]["steps"] > 0
+
+
+def test_a_draft_model_gives_the_same_text(route2, copy_reference, model: Path, tmp_path: Path) -> None:
+    """``--model-draft``: the route's own model as its drafter (greedy: nearly every draft stands) and a
+    tiny random model with the same vocabulary (few stand); both give the whole model's text. A draft
+    model of another vocabulary is refused."""
+    from tests.tinymodels import make_tiny_model
+
+    peers = [n.endpoint for n in route2]
+    same = _gen(peers, "--model-draft", str(model))
+    assert same["tokens"] == copy_reference.tokens
+    assert same["draft"]["accepted"] >= 0.8 * same["draft"]["drafted"]
+    tiny = make_tiny_model(tmp_path / "draft.gguf", "llama", n_layer=2, tokenizer_from=model)
+    other = _gen(peers, "--model-draft", str(tiny), "--temperature", "0.8", "--seed", "5")
+    assert other["tokens"] == _gen(peers, "--temperature", "0.8", "--seed", "5")["tokens"]
+    assert other["draft"]["steps"] > 0
+    foreign = make_tiny_model(tmp_path / "foreign.gguf", "llama", n_layer=2, tokenizer_from=model, n_vocab=1024)
+    done = cli("generate", *[a for p in peers for a in ("--peer", p)], "--prompt", COPY, "--max-tokens", "8",
+               "--model-draft", str(foreign))
+    assert done.returncode != 0
+    assert "another vocabulary" in done.stderr
+    done = cli("generate", *[a for p in peers for a in ("--peer", p)], "--prompt", COPY,
+               "--model-draft", str(tmp_path / "missing.gguf"))
+    assert done.returncode != 0
+    assert "does not exist" in done.stderr

@@ -72,6 +72,8 @@ class Runner:
     #: speculative decoding across the route: "" (off) or "ngram", and the most tokens a step drafts
     draft: str = ""
     draft_max: int = 8
+    #: the draft model's GGUF ("": none)
+    model_draft: str = ""
     #: what each run reports on stderr (the seed it drew)
     say: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr, flush=True))
 
@@ -101,7 +103,8 @@ class Runner:
                      sampling=sampling_from_flags(ns), seed=ns.seed, stop=tuple(ns.stop), max_tokens=ns.max_tokens,
                      wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
                      rejoin_wait=ns.rejoin_wait, step_timeout=ns.step_timeout, audit=audit,
-                     draft="" if ns.draft == "none" else ns.draft, draft_max=ns.draft_max)
+                     draft="model" if ns.model_draft else "" if ns.draft == "none" else ns.draft,
+                     draft_max=ns.draft_max, model_draft=ns.model_draft or "")
         runner.config(prompt="", messages=(), announce=False)  # every setting checked before any work
         return runner
 
@@ -117,7 +120,7 @@ class Runner:
                              stop=self.stop, wire_dtype=self.wire_dtype, rejoin_wait=self.rejoin_wait,
                              step_timeout=self.step_timeout, audit=self.audit,
                              report_to=(self.tracker,) if self.tracker else (), draft=self.draft,
-                             draft_max=self.draft_max)
+                             draft_max=self.draft_max, model_draft=self.model_draft)
         check_generate(cfg)
         return cfg
 

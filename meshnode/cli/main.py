@@ -470,6 +470,9 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
                         "an audited session does not draft)")
     p.add_argument("--draft-max", type=int, default=8, metavar="K",
                    help="the most tokens one step drafts (default 8; fewer while drafts fail)")
+    p.add_argument("--model-draft", metavar="PATH",
+                   help="speculative decoding with this small GGUF run whole here as the drafter (greedy); its "
+                        "vocabulary must be the route's model's (refused otherwise)")
     _add_exec_flags(p)
 
 

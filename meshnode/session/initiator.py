@@ -42,7 +42,9 @@ from meshnode.audit.evidence import write_evidence
 from meshnode.audit.policy import DEFAULT_AUDIT, AuditPolicy, Ledger
 from meshnode.discovery.tracker_client import report_evidence
 from meshnode.drafting import DraftLength, propose
+from meshnode.drafting.model import PROBE, ModelDrafter
 from meshnode.executor.context import check_fits
+from meshnode.gguf.model import check_file
 from meshnode.identity import NodeIdentity, load_or_create
 from meshnode.identity.attest import check_attested
 from meshnode.identity.routeauth import HopPlan, check_acceptances, sign_control, sign_route
@@ -109,9 +111,12 @@ class GenerateConfig:
     audit: AuditPolicy = DEFAULT_AUDIT
     #: trackers to report a caught lie to (the evidence, signed by this initiator)
     report_to: tuple[str, ...] = ()
-    #: speculative decoding: "" (off) or "ngram" (prompt lookup: drafts from the prompt and the text so
-    #: far, no model). The text is the text without drafting; an audited session does not draft
+    #: speculative decoding: "" (off), "ngram" (prompt lookup: drafts from the prompt and the text so
+    #: far, no model) or "model" (``model_draft`` run whole here). The text is the text without drafting;
+    #: an audited session does not draft
     draft: str = ""
+    #: the draft model's GGUF (with ``draft="model"``); its vocabulary must be the route's
+    model_draft: str = ""
     #: the most tokens drafted per step (fewer while drafts fail: drafting/length.py), ``--draft-max``
     draft_max: int = 8
 
@@ -414,9 +419,15 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
                              sampling=sampling_pb(cfg.sampling))
     limit = caps[0].numerics.n_ctx_per_session - len(prompt)
     run: _Run | None = None
+    drafter: ModelDrafter | None = None
     try:
+        if cfg.draft == "model":
+            drafter = await asyncio.to_thread(ModelDrafter, Path(cfg.model_draft), len(prompt) + cfg.max_tokens + 1)
+            probe, _ = await tokenize_with_bos(peers[-1], PROBE, node_id=caps[-1].node_id)
+            drafter.check_vocab(probe)
         await rs.open()  # first: the prompt's chunks are the negotiated limits'
         run = _Run(rs, prompt, cfg, spare_caps, lambda: new_completion(cfg, bos, limit), on_token)
+        run.drafter = drafter
         run.evidence_dir = ledger.path.parent / "evidence" if ledger.path is not None else None
         result = await run.run()
         if rs.auditor is not None and rs.auditor.passed:
@@ -432,6 +443,8 @@ async def generate(peers: Sequence[str], cfg: GenerateConfig, ident: NodeIdentit
         if run is not None:
             await asyncio.shield(run.close())
             await run.reported()
+        if drafter is not None:
+            drafter.close()
 
 
 async def _prompt(tail: str, cfg: GenerateConfig, tail_id: str) -> tuple[list[int], int, GenerateConfig]:
@@ -452,7 +465,7 @@ OnToken = Callable[[int | None, bytes], None]
 
 
 #: the drafters ``--draft`` takes ("": none)
-DRAFTERS = ("", "ngram")
+DRAFTERS = ("", "ngram", "model")
 #: the most tokens one step may draft
 MAX_DRAFT = 64
 
@@ -467,6 +480,10 @@ def check_generate(cfg: GenerateConfig) -> None:
         raise errors.InputError(f"--draft must be one of {', '.join(d or 'none' for d in DRAFTERS)}, not {cfg.draft!r}")
     if not 1 <= cfg.draft_max <= MAX_DRAFT:
         raise errors.InputError(f"--draft-max must be from 1 to {MAX_DRAFT}, not {cfg.draft_max}")
+    if (cfg.draft == "model") != bool(cfg.model_draft):
+        raise errors.InputError("a draft model (--model-draft PATH) goes with drafting by model, and only with it")
+    if cfg.model_draft:
+        check_file(Path(cfg.model_draft))
 
 
 def new_completion(cfg: GenerateConfig, bos: int, limit: int) -> Completion:
@@ -538,6 +555,8 @@ class _Run:
         if self.drafting is not None:
             rs.auditor = None
         self.draft_stats = {"steps": 0, "drafted": 0, "accepted": 0} if self.drafting else {}
+        #: with ``--model-draft``: the draft model (else drafts are prompt lookups)
+        self.drafter: ModelDrafter | None = None
 
     async def run(self) -> GenerationResult:
         rs, cfg = self.rs, self.cfg
@@ -617,7 +636,13 @@ class _Run:
         rs = self.rs
         assert self.drafting is not None
         k = min(self.drafting.next(), left - 1)
-        draft = propose([*self.prompt, *rs.sampled], k) if k > 0 else []
+        history = [*self.prompt, *rs.sampled]
+        if k <= 0:
+            draft: list[int] = []
+        elif self.drafter is not None:
+            draft = await asyncio.to_thread(self.drafter.propose, history, k)
+        else:
+            draft = propose(history, k)
         if not draft:
             done = self._take(await rs.step([rs.sampled[-1]], sample=True))
             await self._verify()
