@@ -92,7 +92,10 @@ def test_draft_length_grows_shrinks_and_rests() -> None:
     assert [d.next() for _ in range(3)] == [0, 1, 0]
     d.update(1, 1)  # the probe stood: back to drafting, from the length before the rest, doubled
     assert d.next() == 4
-    d.update(0, 0)  # no draft: nothing learned
-    assert d.next() == 4
+    d.update(0, 0)  # nothing to draft: a miss
+    d.update(0, 0)
+    assert d.next() == 0  # resting
+    d.wake()  # the caller decoded a stretch on its own: try again at once
+    assert d.next() == 1
     with pytest.raises(ValueError, match="least <= most"):
         DraftLength(most=0)

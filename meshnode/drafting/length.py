@@ -10,8 +10,9 @@ class DraftLength:
     """The next draft's length, between ``least`` and ``most`` (``--draft-max``).
 
     A draft accepted whole doubles it (up to ``most``); one accepted in part sets it to one more
-    than what was accepted; after ``patience`` drafts in a row with nothing accepted it drops to 0
-    and a draft of ``least`` is tried again only every ``patience`` steps, so free text that drafts
+    than what was accepted; after ``patience`` drafts in a row with nothing accepted (or nothing to
+    draft) it drops to 0 and a draft of ``least`` is tried again only every ``patience`` steps, or
+    at once after ``wake`` (the caller decoded a stretch without drafting), so free text that drafts
     never predict costs almost nothing.
     """
 
@@ -37,10 +38,19 @@ class DraftLength:
             return self.least
         return self.k
 
+    def wake(self) -> None:
+        """The caller decoded a stretch without drafts: the next call tries one again."""
+        if self.misses >= self.patience:
+            self.idle = self.patience - 1
+
     def update(self, drafted: int, accepted: int) -> None:
-        """Record a verified draft of ``drafted`` tokens of which ``accepted`` stood."""
+        """Record a verified draft of ``drafted`` tokens of which ``accepted`` stood (0 drafted: there was
+        nothing to draft, a miss too)."""
         if drafted <= 0:
+            self.misses += 1
             return
+        if accepted > 0:
+            self.idle = 0
         if accepted >= drafted:
             self.k, self.misses = min(self.most, max(self.k, drafted) * 2), 0
         elif accepted == 0:

@@ -464,6 +464,8 @@ async def _prompt(tail: str, cfg: GenerateConfig, tail_id: str) -> tuple[list[in
 OnToken = Callable[[int | None, bytes], None]
 
 
+#: tokens the head decodes on its own while drafting rests (drafts kept failing), before a draft is tried again
+REST_BLOCK = 16
 #: the drafters ``--draft`` takes ("": none)
 DRAFTERS = ("", "ngram", "model")
 #: the most tokens one step may draft
@@ -618,7 +620,11 @@ class _Run:
             done = self._take(await rs.step([rs.sampled[-1]], sample=True))
             await self._verify()
             return done
-        results = rs.generate(rs.sampled[-1], left)
+        return await self._delegated(left)
+
+    async def _delegated(self, n: int) -> bool:
+        """Up to ``n`` tokens decoded by the head's own loop (a Generate); True when the generation is over."""
+        results = self.rs.generate(self.rs.sampled[-1], n)
         try:
             async for result in results:
                 if self._take(result):
@@ -635,7 +641,12 @@ class _Run:
         its limits are exactly those of decoding one token at a time."""
         rs = self.rs
         assert self.drafting is not None
-        k = min(self.drafting.next(), left - 1)
+        wanted = self.drafting.next()
+        if wanted == 0 and self.cfg.delegate:  # drafts keep failing: a stretch at the head's own pace
+            done = await self._delegated(min(REST_BLOCK, left))
+            self.drafting.wake()
+            return done
+        k = min(wanted, left - 1)
         history = [*self.prompt, *rs.sampled]
         if k <= 0:
             draft: list[int] = []
@@ -644,6 +655,7 @@ class _Run:
         else:
             draft = propose(history, k)
         if not draft:
+            self.drafting.update(0, 0)  # nothing to draft counts as a draft that failed
             done = self._take(await rs.step([rs.sampled[-1]], sample=True))
             await self._verify()
             return done
