@@ -165,3 +165,16 @@ def test_a_draft_model_gives_the_same_text(route2, copy_reference, model: Path, 
                "--model-draft", str(tmp_path / "missing.gguf"))
     assert done.returncode != 0
     assert "does not exist" in done.stderr
+
+
+def test_free_text_rests_drafting_in_stretches_and_keeps_the_text(route2, model: Path) -> None:
+    """Free text drafts little: drafting rests while the head decodes stretches on its own (delegated
+    Generates of 16), tries again, rests again; every stretch returns its flow credits, so none stalls
+    (a stall would be a DEADLINE failover here), and the text is the whole model's."""
+    prompt = "Once upon a time, in a small town by the sea, there lived a robot who"
+    ref = llama_reference(model, prompt, 120)
+    got = _gen([n.endpoint for n in route2], "--draft", "ngram", prompt=prompt, n=120)
+    assert got["tokens"] == ref.tokens
+    assert got["failovers"] == []
+    d = got["draft"]
+    assert d["steps"] + d["accepted"] < 60  # most tokens came from the head's own stretches

@@ -343,6 +343,9 @@ class RouteSession:
             self.history.append([fed])
             fed = reply.result.token
             if reply.result.last:
+                # every result took a credit of the head's window, the last too: give them all back,
+                # so a later Generate of this session (drafting rests in stretches) starts with a full one
+                await self._acknowledge(settle=True)
                 yield reply.result
                 return
             await self._acknowledge()
@@ -350,11 +353,11 @@ class RouteSession:
             if reply.result.last:
                 return
 
-    async def _acknowledge(self) -> None:
-        """Return a Generate's result credits to the head, half a window at a time."""
+    async def _acknowledge(self, *, settle: bool = False) -> None:
+        """Return a Generate's result credits to the head, half a window at a time (``settle``: all owed)."""
         self._owed += 1
         credits = self.limits.credits
-        if credits and self._owed >= max(credits // 2, 1):
+        if credits and (settle or self._owed >= max(credits // 2, 1)):
             owed, self._owed = self._owed, 0
             await self._write(pb.SessionFrame(route_session_id=self.id, route_epoch=self.epoch,
                                               credit=pb.CreditGrant(credits=owed)))
