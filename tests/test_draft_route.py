@@ -178,3 +178,18 @@ def test_free_text_rests_drafting_in_stretches_and_keeps_the_text(route2, model:
     assert got["failovers"] == []
     d = got["draft"]
     assert d["steps"] + d["accepted"] < 60  # most tokens came from the head's own stretches
+
+
+def test_chat_and_three_hops_seeded_with_drafting(route3) -> None:
+    """A chat message (the model's chat template) and seeded sampling on 3 hops: the same text drafted."""
+    peers = [n.endpoint for n in route3]
+    for extra in (("--chat", "Repeat after me: the cat sat on the mat, the cat sat on the mat."),
+                  ("--prompt", COPY, "--temperature", "0.9", "--seed", "21")):
+        plain = cli("generate", *[a for p in peers for a in ("--peer", p)], "--max-tokens", "32", "--json", *extra)
+        drafted = cli("generate", *[a for p in peers for a in ("--peer", p)], "--max-tokens", "32", "--json",
+                      "--draft", "ngram", *extra)
+        assert plain.returncode == 0, plain.stderr
+        assert drafted.returncode == 0, drafted.stderr
+        a, b = (json.loads(d.stdout.strip().splitlines()[-1]) for d in (plain, drafted))
+        assert b["tokens"] == a["tokens"]
+        assert b["draft"]["steps"] > 0
