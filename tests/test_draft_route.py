@@ -193,3 +193,57 @@ def test_chat_and_three_hops_seeded_with_drafting(route3) -> None:
         a, b = (json.loads(d.stdout.strip().splitlines()[-1]) for d in (plain, drafted))
         assert b["tokens"] == a["tokens"]
         assert b["draft"]["steps"] > 0
+
+
+async def test_malformed_draft_steps_get_typed_errors_and_the_session_goes_on(node_factory) -> None:
+    """A tail sent draft steps of the wrong shape (more tokens than rows, K past the negotiated chunk,
+    K not the tokens' count): each is a typed, non-terminal error, and a good draft step of the same
+    session then runs and answers with its samples."""
+    import uuid
+
+    import numpy as np
+
+    from meshnode.proto import node_pb2 as pb
+    from meshnode.proto import node_pb2_grpc as pb_grpc
+    from meshnode.transport.client import open_channel
+    from meshnode.wire.schema import SCHEMA_VERSION
+    from meshnode.wire.tensors import encode_bundle
+    from tests.conftest import aio, open_frame
+
+    tail = await trio.to_thread.run_sync(node_factory, "15:30")
+
+    def draft(sid: str, step_id: int, x: np.ndarray, tokens: list[int], k: int) -> pb.SessionFrame:
+        return pb.SessionFrame(route_session_id=sid, route_epoch=1, step=pb.Step(
+            step_id=step_id, tokens=tokens, draft=k, sample=True, activation=encode_bundle(x, pos_start=0),
+            cache=pb.CacheExpectation(n_past=0)))
+
+    async def go() -> list[pb.SessionReply]:
+        async with await open_channel(tail.endpoint) as ch:
+            stub = pb_grpc.NodeStub(ch)
+            cap = await stub.GetCapability(pb.CapabilityRequest(schema_version=SCHEMA_VERSION))
+            sid = str(uuid.uuid4())
+            call = stub.Session()
+            await call.write(open_frame(sid, cap))
+            assert (await call.read()).HasField("accepted")
+            x = np.random.default_rng(0).standard_normal((600, cap.n_embd)).astype(np.float32)
+            replies = []
+            for i, frame in enumerate([draft(sid, 1, x[:3], [1, 2, 3, 4], 3),     # 4 tokens, 3 rows
+                                       draft(sid, 2, x[:600], list(range(600)), 599),  # past the chunk
+                                       draft(sid, 3, x[:3], [1, 2, 3], 5),          # K says 5, 3 tokens
+                                       draft(sid, 4, x[:3], [1, 2, 3], 2)], start=1):  # good
+                await call.write(frame)
+                replies.append(await call.read())
+                assert i == len(replies)
+            call.cancel()
+            return replies
+
+    with trio.fail_after(120):
+        replies = await aio(go)
+    bad = replies[:3]
+    assert [pb.ErrorCode.Name(r.error.code) for r in bad] == ["TENSOR_SHAPE", "TENSOR_SHAPE", "TENSOR_SHAPE"]
+    assert not any(r.error.terminal for r in bad)
+    good = replies[3]
+    assert good.HasField("result"), good
+    assert 1 <= len(good.result.tokens) <= 3
+    assert len(good.result.pieces) == len(good.result.tokens)
+    assert good.result.token == good.result.tokens[-1]
