@@ -99,3 +99,14 @@ def test_draft_length_grows_shrinks_and_rests() -> None:
     assert d.next() == 1
     with pytest.raises(ValueError, match="least <= most"):
         DraftLength(most=0)
+
+
+def test_routes_of_recurrent_models_do_not_draft() -> None:
+    """A hybrid's recurrent layers cannot drop a rejected draft's positions: such a route decodes
+    without drafting (the same text either way)."""
+    from meshnode.drafting import can_draft
+
+    assert can_draft(["llama", "llama"])
+    assert can_draft(["qwen3moe"])
+    assert not can_draft(["qwen3next", "qwen3next"])
+    assert can_draft(["an-unknown-arch"])

@@ -8,8 +8,18 @@
 * ``length.DraftLength``: how many tokens to draft next, shrinking while drafts keep failing.
 """
 
+from collections.abc import Iterable
+
 from meshnode.drafting.length import DraftLength
 from meshnode.drafting.ngram import propose
 from meshnode.drafting.verify import Verdict, accept
 
-__all__ = ["DraftLength", "Verdict", "accept", "propose"]
+__all__ = ["DraftLength", "Verdict", "accept", "can_draft", "propose"]
+
+
+def can_draft(archs: Iterable[str]) -> bool:
+    """Whether a route of models of these architectures may draft: not when a hop keeps a recurrent
+    state (it cannot drop a rejected draft's positions; meshnode/gguf/arch.py ``recurrent``)."""
+    from meshnode.gguf.archtable import POLICIES
+
+    return not any(POLICIES[a].recurrent for a in archs if a in POLICIES)

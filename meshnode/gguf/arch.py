@@ -112,6 +112,9 @@ class ArchPolicy:
     resolved_kv: ResolvedKV | None = None
     #: a mixture-of-experts graph (for docs and ``model inspect``)
     moe: bool = False
+    #: some layers keep a recurrent state instead of a KV cache: positions cannot be dropped from the end
+    #: of a sequence (llama-memory-recurrent.cpp seq_rm), so a hop cannot roll back a rejected draft
+    recurrent: bool = False
     #: what else was checked, for docs/models.md
     note: str = ""
     #: the models people run of this architecture (docs/models.md)

@@ -41,7 +41,7 @@ from meshnode.audit.auditor import Auditor
 from meshnode.audit.evidence import write_evidence
 from meshnode.audit.policy import DEFAULT_AUDIT, AuditPolicy, Ledger
 from meshnode.discovery.tracker_client import report_evidence
-from meshnode.drafting import DraftLength, propose
+from meshnode.drafting import DraftLength, can_draft, propose
 from meshnode.drafting.model import PROBE, ModelDrafter
 from meshnode.executor.context import check_fits
 from meshnode.gguf.model import check_file
@@ -556,7 +556,8 @@ class _Run:
         #: does not draft (the replica re-runs the steps as they were sealed); one with no replica known
         #: drafts and stays unaudited (rs.auditor dropped: a replica found at a failover is not taken up)
         audited = rs.auditor is not None and bool(rs.auditor.shadows)
-        self.drafting = DraftLength(most=cfg.draft_max) if cfg.draft and not audited else None
+        drafts = cfg.draft and not audited and can_draft(c.arch for c in rs.caps)
+        self.drafting = DraftLength(most=cfg.draft_max) if drafts else None
         if self.drafting is not None:
             rs.auditor = None
         self.draft_stats = {"steps": 0, "drafted": 0, "accepted": 0} if self.drafting else {}

@@ -172,6 +172,7 @@ ENTRIES: list[ArchPolicy] = [
     ArchPolicy(
         "qwen3next", "models/qwen3next.cpp, models/delta-net-base.cpp, llama-memory-recurrent.cpp (seq_rm)",
         boundary_rule=_qwen3next_boundaries, range_rule=_qwen3next_range, resolved_kv=_qwen3next_kv, moe=True,
+        recurrent=True,
         families="Qwen3-Next-80B-A3B (Instruct, Thinking)",
         note=_QWEN3NEXT_NOTE, test="tests/test_arch_newer.py"),
 ]
