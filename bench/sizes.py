@@ -8,7 +8,17 @@ through ``meshnode generate`` (by difference of ``--short`` and ``--long`` token
 round; per round the ratio to the whole model at its best count, and the median of the rounds' ratios,
 with both sides' figures.
 
-Reproduce: ``.venv/bin/python -m bench.sizes`` (``--rounds 3``; ``--only NAME`` repeats; ``--json``).
+``--setting`` picks what is compared (each in turn, round by round):
+
+* ``one-machine`` (default): the halves unpinned at their defaults against the whole model at its best
+  thread count, decode through ``meshnode generate``;
+* ``pinned``: two machines simulated, each half under ``taskset`` on a core of its own and the initiator
+  beside the head, against the whole model on one core;
+* ``sessions8``: the same pinned route decoding 8 concurrent sessions (aggregate tok/s, 64 tokens each,
+  ``bench.batch_bench``'s initiator) against the whole model batching the 8 on one core.
+
+Reproduce: ``.venv/bin/python -m bench.sizes`` (``--rounds 3``; ``--only NAME`` repeats; ``--setting``;
+``--json``).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +45,55 @@ def models() -> dict[str, Callable[[], Path]]:
     }
 
 
+SETTINGS = ("one-machine", "pinned", "sessions8")
+
+
+def _summary(rows: list[dict[str, Any]], tokens_equal: bool, compared: int) -> dict[str, Any]:
+    return {"rounds": rows, "ratio_median": statistics.median(r["ratio"] for r in rows),
+            "whole_tps_median": statistics.median(r["whole_tps"] for r in rows),
+            "route_tps_median": statistics.median(r["route_tps"] for r in rows),
+            "tokens_equal": tokens_equal, "tokens_compared": compared}
+
+
+def pinned_in_turn(model: Path, peers: list[str], rounds: int, short: int, long: int) -> dict[str, Any]:
+    """One session: the whole model on core 0 (one thread), then the pinned route through ``meshnode
+    generate`` on core 0 (by difference), per round."""
+    from bench import paths
+
+    paths.generate(peers, paths.PROMPT, 4, cpus=[0])  # warm-up
+    rows, whole_tokens, route_tokens = [], [], []
+    for i in range(rounds):
+        w = paths.whole_decode(model, 1, long - short, cpus=[0])
+        whole_tokens = w["short_tokens"]
+        ts, s = paths.generate(peers, paths.PROMPT, short, cpus=[0])
+        tl, lg = paths.generate(peers, paths.PROMPT, long, cpus=[0])
+        route, route_tokens = (len(lg["tokens"]) - len(s["tokens"])) / (tl - ts), lg["tokens"]
+        rows.append({"whole_tps": w["decode_tps"], "route_tps": route, "ratio": route / w["decode_tps"],
+                     "hops": lg.get("hops")})
+        print(f"  round {i + 1}: whole (Llama, core 0, 1 thread) {w['decode_tps']:.2f} tok/s; pinned route via "
+              f"`meshnode generate` {route:.2f} tok/s; ratio {route / w['decode_tps']:.3f}", flush=True)
+    n = min(len(route_tokens), len(whole_tokens))
+    return _summary(rows, n > 0 and route_tokens[:n] == whole_tokens[:n], n)
+
+
+def sessions_in_turn(model: Path, peers: list[str], rounds: int, sessions: int = 8, tokens: int = 64) -> dict[str, Any]:
+    """``sessions`` concurrent sessions: the whole model batching them on core 0 (one thread), then the
+    pinned route (its initiator on core 0), aggregate tok/s, per round."""
+    from bench import paths
+    from bench.batch_bench import run_route
+    from bench.suite import pinned_here
+
+    rows = []
+    for i in range(rounds):
+        b = paths.whole_batched(model, sessions, 1, tokens, cpus=[0])
+        with pinned_here({0}):
+            route = run_route(peers, b["ids"], [sessions], tokens, warm=i == 0)["by_n"][str(sessions)]["tps"]
+        rows.append({"whole_tps": b["tps"], "route_tps": route, "ratio": route / b["tps"]})
+        print(f"  round {i + 1}: whole (Llama, core 0, 1 thread) batching {sessions}: {b['tps']:.2f} tok/s; pinned "
+              f"route, {sessions} sessions: {route:.2f} tok/s; ratio {route / b['tps']:.3f}", flush=True)
+    return _summary(rows, True, 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sizes", allow_abbrev=False,
                                  description=(__doc__ or "").splitlines()[0])
@@ -41,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=136)
     ap.add_argument("--only", action="append", choices=list(models()), help="this model only (repeat)")
+    ap.add_argument("--setting", choices=SETTINGS, default="one-machine")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from bench.moe_bench import decode_in_turn
@@ -60,13 +121,20 @@ def main(argv: list[str] | None = None) -> int:
             ensure_range(model, int(a), int(b))
         print(f"\n== {name}: {model.name}, {d['size_bytes'] / 1e9:.2f} GB, {n} layers, {d['experts']} experts; "
               f"route {','.join(cuts)}; load average {os.getloadavg()[0]:.2f}", flush=True)
-        with local_route(model, cuts) as nodes:
-            out[name] = r = decode_in_turn(model, [x.endpoint for x in nodes], ns.rounds, ns.short, ns.long)
+        if ns.setting == "one-machine":
+            with local_route(model, cuts) as nodes:
+                out[name] = r = decode_in_turn(model, [x.endpoint for x in nodes], ns.rounds, ns.short, ns.long)
+        else:
+            extra = ["--max-sessions", "8"] if ns.setting == "sessions8" else []
+            with local_route(model, cuts, extra=extra, cpus=[[0], [1]]) as nodes:
+                peers = [x.endpoint for x in nodes]
+                out[name] = r = (pinned_in_turn(model, peers, ns.rounds, ns.short, ns.long) if ns.setting == "pinned"
+                                 else sessions_in_turn(model, peers, ns.rounds))
         r["size_gb"] = d["size_bytes"] / 1e9
         print(f"  median of the rounds' ratios {r['ratio_median']:.3f} (route {r['route_tps_median']:.2f} vs whole "
-              f"{r['whole_tps_median']:.2f} tok/s); tokens equal: {r['tokens_equal']}", flush=True)
-    print("\n| model | size | whole, best count (tok/s) | route via `meshnode generate` (tok/s) "
-          "| ratio (median of rounds) |")
+              f"{r['whole_tps_median']:.2f} tok/s)"
+              + (f"; tokens equal: {r['tokens_equal']}" if r["tokens_compared"] else ""), flush=True)
+    print(f"\n| model ({ns.setting}) | size | whole (tok/s) | route (tok/s) | ratio (median of rounds) |")
     print("|---|---|---|---|---|")
     for name, r in out.items():
         print(f"| {name} | {r['size_gb']:.2f} GB | {r['whole_tps_median']:.2f} | {r['route_tps_median']:.2f} | "

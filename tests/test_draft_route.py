@@ -67,7 +67,15 @@ def test_greedy_drafting_equals_the_whole_model(route2, route3, copy_reference, 
     d = got["draft"]
     assert d["accepted"] > 0  # the copy task drafts what the model writes
     assert d["drafted"] > d["accepted"]  # and some drafts were rejected: the KV was rolled back
-    assert _gen(peers)["draft"] == {}  # without --draft nothing is drafted
+    plain = _gen(peers)
+    assert plain["draft"] == {}  # without --draft nothing is drafted
+    # where each decoded token's time went, hop by hop in route order (session/profile.py)
+    for run in (got, plain):
+        prof = run["hops"]
+        assert [h["endpoint"] for h in prof["per_hop"]] == peers
+        assert prof["tokens"] == len(run["tokens"]) - 1
+        assert all(h["compute_ms"] > 0 and h["handle_ms"] >= h["compute_ms"] for h in prof["per_hop"])
+        assert 0 < prof["compute_share"] <= 1
 
 
 @pytest.mark.parametrize("settings", [

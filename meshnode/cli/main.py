@@ -259,6 +259,7 @@ def _print_result(result: object, as_json: bool, streamed: bool = False) -> None
                 round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
             ),
             "failovers": result.failovers, "seed": result.seed, "audit": result.audit, "draft": result.draft,
+            "hops": result.hops,
         }))
     elif streamed:
         print()  # the text went out token by token

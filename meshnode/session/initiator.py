@@ -55,6 +55,7 @@ from meshnode.routing.failover import Backoff, can_fail_over, replacement, repla
 from meshnode.routing.overlap import overcommitted
 from meshnode.runtime.paths import state_dir
 from meshnode.session.completion import Completion
+from meshnode.session.profile import RouteClock
 from meshnode.session.sampling import GREEDY, SamplingParams, check_sampling, check_stops
 from meshnode.session.sampling import to_pb as sampling_pb
 from meshnode.transport.client import get_capability, release, tokenize_chat, tokenize_with_bos
@@ -142,6 +143,8 @@ class GenerationResult:
     audit: dict[str, object] = field(default_factory=dict)
     #: speculative decoding: steps that drafted, tokens drafted and accepted (empty: no drafting)
     draft: dict[str, int] = field(default_factory=dict)
+    #: where a decoded token's time went, per hop (session/profile.py)
+    hops: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -548,6 +551,9 @@ class _Run:
         self.chunks = [prompt[i : i + chunk] for i in range(0, len(prompt), chunk)]
         self.logits: list[np.ndarray] = []
         self.bytes_in: dict[str, int] = {}
+        #: decode steps' per-hop timings (session/profile.py), and tokens taken since the last timed one
+        self.clock = RouteClock()
+        self._untimed = 0
         self.failovers: list[Failover] = []
         self.backoff = Backoff()
         if rs.auditor is not None:
@@ -605,6 +611,7 @@ class _Run:
             bytes_per_token={k: v / steps for k, v in self.bytes_in.items()},
             failovers=[{k: v for k, v in asdict(f).items() if k != "detected_at"} for f in self.failovers],
             seed=seed_of(cfg), audit=self._audit_summary(), draft=dict(self.draft_stats),
+            hops=self.clock.table(decode),
         )
 
     def _pipeline(self) -> bool:
@@ -691,9 +698,14 @@ class _Run:
             self.logits.append(decode_bundle(result.logits, n_cols=result.logits.shape[1]
                                              if result.logits.shape else 0)[0])
         self.rs.sampled.append(result.token)
-        if len(self.rs.sampled) > 1:
+        if len(self.rs.sampled) > 1:  # a decoded token (the first one came from the prompt)
             for t in result.timings:
                 self.bytes_in[t.endpoint] = self.bytes_in.get(t.endpoint, 0) + t.bytes_in
+            self._untimed += 1  # a draft step's timings come with its last token
+            if result.timings:
+                self.clock.add([(t.endpoint, t.compute_nanos, t.handle_nanos) for t in result.timings],
+                               self._untimed)
+                self._untimed = 0
         self.results.append((result.token, result.piece, result.end_of_generation))
         done = self.completion.add(result.token, result.piece, eog=result.end_of_generation)
         self.held.append((result.token, self.completion.release(), result.end_of_generation))
