@@ -12,7 +12,8 @@ def test_each_hop_gets_its_compute_its_own_handling_and_the_initiator_the_rest()
     head, tail = t["per_hop"]
     assert (head["compute_ms"], head["handle_ms"], head["own_ms"]) == (10.0, 26.0, 3.0)
     assert (tail["compute_ms"], tail["handle_ms"], tail["own_ms"]) == (12.0, 13.0, 1.0)
-    assert t["wall_ms"] == 30.0 and t["initiator_ms"] == 4.0
+    assert t["wall_ms"] == 30.0
+    assert t["initiator_ms"] == 4.0
     assert t["compute_share"] == round(22 / 30, 3)
 
 
@@ -20,7 +21,9 @@ def test_a_draft_step_counts_every_token_it_yielded() -> None:
     c = RouteClock()
     c.add([("head", 8_000_000, 20_000_000), ("tail", 10_000_000, 11_000_000)], tokens=4)
     t = c.table()
-    assert t["tokens"] == 4 and t["per_hop"][0]["compute_ms"] == 2.0 and "wall_ms" not in t
+    assert t["tokens"] == 4
+    assert t["per_hop"][0]["compute_ms"] == 2.0
+    assert "wall_ms" not in t
 
 
 def test_a_failover_restarts_the_clock_on_the_new_route() -> None:
@@ -28,5 +31,6 @@ def test_a_failover_restarts_the_clock_on_the_new_route() -> None:
     c.add([("head", 1, 2), ("tail", 1, 1)])
     c.add([("head", 5_000_000, 9_000_000), ("spare", 3_000_000, 3_000_000)])
     t = c.table()
-    assert t["tokens"] == 1 and [h["endpoint"] for h in t["per_hop"]] == ["head", "spare"]
+    assert t["tokens"] == 1
+    assert [h["endpoint"] for h in t["per_hop"]] == ["head", "spare"]
     assert t["per_hop"][0]["own_ms"] == 1.0
