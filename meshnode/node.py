@@ -10,12 +10,14 @@ import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from meshnode.capabilities import capability, hardware, measure_throughput
 from meshnode.discovery.tracker_client import run_heartbeat
 from meshnode.executor import ExecConfig, RangeExecutor
+from meshnode.fetch.limits import DEFAULT_RATE, ShareLimits
 from meshnode.gguf.cutchild import cut_in_child
 from meshnode.gguf.integrity import verify_artifact
 from meshnode.gguf.model import check_file
@@ -30,6 +32,9 @@ from meshnode.transport import security
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.server import check_listen, serve_grpc, split_hostport
 from meshnode.transport.servicer import NodeServicer
+
+if TYPE_CHECKING:
+    from meshnode.fetch.share import Share
 
 log = logging.getLogger("meshnode.node")
 
@@ -68,6 +73,8 @@ class NodeConfig:
     api_tls: bool = False
     #: plaintext streams, no TLS (``--insecure``: a closed lab network only)
     insecure: bool = False
+    #: bytes a second this node sends to peers fetching the model from it (0: serves none)
+    share_rate: int = DEFAULT_RATE
 
 
 def prepare(config: NodeConfig) -> RangeArtifact:
@@ -131,7 +138,8 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
         # thread; trio keeps the lifecycle and reaches that loop only through ``aio`` (aiothread.py)
         async with open_aio_thread() as aio, trio.open_nursery() as nursery:
             host = SessionHost(executor, cap, config.limits, endpoint=config.listen, ident=ident)
-            servicer = NodeServicer(host, executor)
+            share = await trio.to_thread.run_sync(_share, config, host) if config.share_rate > 0 else None
+            servicer = NodeServicer(host, executor, share)
             addr = await nursery.start(functools.partial(serve_grpc, servicer, config.listen, aio=aio.run, tls=tls))
             host.endpoint = addr
             endpoints.append(addr)
@@ -163,6 +171,28 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
                 await _settle(executor)
     finally:
         executor.close()
+
+
+def _share(config: NodeConfig, host: SessionHost) -> Share:
+    """What this node serves of its model to peers that fetch it: the whole file, or the pieces it
+    fetched itself (fetch/share.py)."""
+    from meshnode.fetch.join import is_fetched
+    from meshnode.fetch.share import Share
+    from meshnode.fetch.store import PartialModel
+    from meshnode.modelid import manifest_of
+
+    manifest = manifest_of(config.model)
+    have = None
+    if is_fetched(config.model):
+        part = PartialModel.open(manifest.model_id)
+        have = part.have if part is not None else set()
+        if part is not None:
+            part.close()
+    m = host.metrics
+    share = Share(config.model, manifest, have, ShareLimits(rate=config.share_rate),
+                  on_bytes=m.fetch_bytes.inc, on_refused=lambda code: m.fetch_refused.labels(code=code).inc())
+    m.fetch_active.set_function(lambda: sum(share.admission.active.values()))
+    return share
 
 
 async def _serve_api(nursery: trio.Nursery, config: NodeConfig, aio: AioThread, addr: str, sdir: Path) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from meshnode import errors
 from meshnode.gguf import ensure_range
-from meshnode.gguf.model import fingerprint
+from meshnode.gguf.model import file_sha256, fingerprint
 from meshnode.gguf.slicer import SLICER_VERSION, Role, range_digest, tensor_sha256
 from meshnode.models import DEFAULT_MODEL
 
@@ -20,7 +20,7 @@ def _tensors(path):
 
 
 def test_default_model_is_the_verified_file(model):
-    assert fingerprint(model) == DEFAULT_MODEL.sha256
+    assert file_sha256(model) == DEFAULT_MODEL.sha256
 
 
 def test_middle_range_copies_layer_bytes_unchanged_and_renumbers(model):
@@ -45,7 +45,7 @@ def test_middle_range_copies_layer_bytes_unchanged_and_renumbers(model):
 def test_manifest_binds_source_range_and_every_tensor(model):
     art = ensure_range(model, 15, 30)
     m = json.loads((art.dir / "manifest.json").read_text())
-    assert m["source"]["fingerprint"] == DEFAULT_MODEL.sha256
+    assert m["source"]["fingerprint"] == fingerprint(model)  # the model id (meshnode/modelid)
     assert m["range"] == [15, 30]
     assert m["role"] == "tail"
     out = _tensors(art.range_path)

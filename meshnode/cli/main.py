@@ -114,6 +114,18 @@ def cmd_model_slice(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_id(ns: argparse.Namespace) -> int:
+    """The model id (the sha256 of the file's manifest), or with --manifest the manifest itself."""
+    from meshnode.modelid import manifest_of
+
+    m = manifest_of(Path(ns.file).expanduser())
+    if ns.manifest:
+        sys.stdout.buffer.write(m.canonical() + b"\n")
+    else:
+        print(m.model_id)
+    return 0
+
+
 def cmd_model_inspect(ns: argparse.Namespace) -> int:
     """Architecture, size, experts, context, chat template, and where the model can be cut exactly."""
     from meshnode.gguf.report import describe, render
@@ -150,6 +162,32 @@ def _configure_security(ns: argparse.Namespace) -> None:
         security.configure(insecure=True)
 
 
+def _fetch_share(ns: argparse.Namespace, auto: bool) -> tuple[Path, int, int]:
+    """``--mesh NAME`` with no model file here: find the nodes that serve it, take the range given (or
+    the weakest-covered one), and fetch what it needs from them (meshnode/fetch)."""
+    from meshnode.cli.membership import replicas_per_layer
+    from meshnode.fetch.join import fetch_range, find_holders
+    from meshnode.routing.assign import weakest_range
+
+    if ns.tracker:
+        check_url(ns.tracker)
+    holders = trio.run(functools.partial(find_holders, ns.mesh, tracker=ns.tracker, mdns=ns.mdns))
+    if auto:
+        start, end = weakest_range(replicas_per_layer(holders.ranges, holders.n_layer), ns.span or holders.n_layer // 2)
+        print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range)", file=sys.stderr)
+    else:
+        start, end = parse_layers(ns.layers)
+    if not 0 <= start < end <= holders.n_layer:
+        raise errors.LayerRangeError(f"layers {start}:{end} are not within the model's {holders.n_layer}")
+    print(f"meshnode: {holders.name} is model {holders.model_id[:16]}…, served by {len(holders.peers)} nodes; "
+          f"fetching what layers {start}:{end} need", file=sys.stderr)
+    path, report = trio.run(fetch_range, holders, start, end)
+    got = ", ".join(f"{peer} {n / 1e6:.0f} MB" for peer, n in sorted(report.by_peer.items())) or "all here already"
+    print(f"meshnode: fetched {report.bytes / 1e6:.0f} MB in {report.pieces} checked pieces ({got})"
+          + (f"; dropped {', '.join(report.dropped)}" if report.dropped else ""), file=sys.stderr)
+    return path, start, end
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.executor import openmp
 
@@ -160,18 +198,28 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     if ns.tracker:
         check_url(ns.tracker)
-    if getattr(ns, "join", False) and ns.auto:
-        if ns.layers:
-            raise errors.InputError("give --layers or --auto, not both")
+    auto = getattr(ns, "join", False) and ns.auto
+    if auto and ns.layers:
+        raise errors.InputError("give --layers or --auto, not both")
+    if not auto and not ns.layers:
+        raise errors.LayerRangeError("give --layers A:B" + (" or --auto" if getattr(ns, "join", False) else ""))
+    if ns.mesh and ns.model:
+        raise errors.InputError("give --model (a file here) or --mesh (fetch it from the mesh's nodes), not both")
+    if ns.share_rate is not None and ns.share_rate < 0:
+        raise errors.InputError("--share-rate is MiB a second, 0 or more")
+    if ns.mesh:
+        model, start, end = _fetch_share(ns, auto)
+    elif auto:
         from meshnode.cli.membership import auto_range
 
-        start, end = auto_range(_model(ns), ns.span, tracker=ns.tracker, mdns=ns.mdns)
+        model = _model(ns)
+        start, end = auto_range(model, ns.span, tracker=ns.tracker, mdns=ns.mdns)
         print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range)", file=sys.stderr)
-    elif not ns.layers:
-        raise errors.LayerRangeError("give --layers A:B" + (" or --auto" if getattr(ns, "join", False) else ""))
     else:
+        model = _model(ns)
         start, end = parse_layers(ns.layers)
-    cfg = NodeConfig(model=_model(ns), start=start, end=end, listen=ns.listen, executor=exec_config(ns),
+    rate = int((64 if ns.share_rate is None else ns.share_rate) * (1 << 20))
+    cfg = NodeConfig(model=model, start=start, end=end, share_rate=rate, listen=ns.listen, executor=exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
                      metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure,
@@ -439,7 +487,7 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="without --peer: run this whole GGUF here")
     p.add_argument("--mesh", metavar="NAME_OR_FINGERPRINT",
                    help="find a route for this model: its file name (SmolLM2-135M-Instruct), general.name, "
-                        "or sha256 / a prefix of 8+ hex digits; any case")
+                        "or its model id (the sha256 of its manifest) / a prefix of 8+ hex digits; any case")
     p.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
     p.add_argument("--tracker", metavar="URL",
                    help="with --mesh: look the model up on this tracker; a hop caught lying is reported there")
@@ -538,12 +586,21 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("file", help="GGUF file")
     ins.add_argument("--json", action="store_true", help="the description as JSON")
     ins.set_defaults(func=cmd_model_inspect)
+    mid = msub.add_parser("id", help="the model id of a GGUF: the sha256 of its manifest (every tensor's "
+                                     "sha256), what nodes, attestations and --mesh name it by")
+    mid.add_argument("file", help="GGUF file")
+    mid.add_argument("--manifest", action="store_true", help="print the manifest (canonical JSON) instead")
+    mid.set_defaults(func=cmd_model_id)
 
     for name, text in (("serve", "serve one layer range"),
                        ("join", "start a node and announce it to the mesh (--tracker / --mdns), or --auto")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", metavar="FILE", help="TOML file with these settings (docs/operations.md)")
         p.add_argument("--model", help="source GGUF file (default: the default model)")
+        p.add_argument("--mesh", metavar="NAME_OR_ID",
+                       help="no file here: fetch what the range needs of the model NAME names (file name, "
+                            "general.name, or 8+ hex digits of its model id) from the nodes that serve it, found "
+                            "with --tracker / --mdns; each piece checked against the model id (docs/fetch.md)")
         p.add_argument("--layers", help="A:B, layers A..B-1")
         p.add_argument("--listen", help="HOST:PORT (port 0 = any free port; default 127.0.0.1:0)")
         p.add_argument("--state-dir", help="where the node key and lock live (default: ~/.local/state/meshnode, "
@@ -566,6 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sessions one initiator may open here per minute, after a burst of 60 (default 600)")
         p.add_argument("--max-detached", type=int, metavar="N",
                        help="broken sessions kept for a resume at once (default: --max-sessions)")
+        p.add_argument("--share-rate", type=float, metavar="MIB_PER_S",
+                       help="MiB a second this node sends to peers fetching the model from it (default 64; 0: none)")
         p.add_argument("--no-link", action="store_true",
                        help="a Session stream of its own to the next hop for each session, not one link bundling "
                             "them (for comparison: docs/protocol.md, \"Links\")")

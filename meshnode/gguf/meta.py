@@ -70,6 +70,8 @@ class GGUFMeta:
     tensors: list[TensorInfo]
     #: key -> (value type, element type for an array else None), as GGUFWriter.add_key_value takes them
     types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]
+    #: where the tensor data starts: everything before it is the header (key/values, tensor infos, padding)
+    data_offset: int = 0
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -171,7 +173,7 @@ def _parse(buf: mmap.mmap, full: bool) -> GGUFMeta:
         for d in dims:
             n_elem *= d
         tensors.append(TensorInfo(name, dims, qtype, data + rel, n_elem * type_size // block))
-    return GGUFMeta(version, fields, tensors, types)
+    return GGUFMeta(version, fields, tensors, types, data)
 
 
 def read_meta(path: Path, *, full: bool = False) -> GGUFMeta:

@@ -157,7 +157,15 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def fingerprint(path: Path) -> str:
-    """sha256 of the model file, memoised by (path, size, mtime) in the cache dir."""
+    """The model's id: the sha256 of its manifest (meshnode/modelid), which every attestation,
+    capability, directory record and ``--mesh`` name binds to. Computed once per file version."""
+    from meshnode.modelid.local import model_id
+
+    return model_id(path)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of the whole file (what a download is checked against), memoised by (path, size, mtime)."""
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     memo = cache_dir() / "fingerprints.json"

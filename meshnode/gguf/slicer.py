@@ -188,6 +188,26 @@ def _renamed(name: str, start: int, end: int) -> str | None:
     return None
 
 
+def source_reads(src: GGUFMeta, start: int, end: int) -> set[str]:
+    """The source tensors a cut of [start, end) reads (``_write_range`` and ``_write_vocab``): the blocks
+    of the range, the global tensors, and of the two vocabulary-sized matrices what the role uses. A
+    node that fetches a range from peers fetches exactly these (meshnode/fetch)."""
+    arch = str(src.fields["general.architecture"])
+    n_layer = int(src.fields[f"{arch}.block_count"]) - int(src.fields.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    role = role_of(start, end, n_layer)
+    names = {t.name for t in src.tensors}
+    out = {n for n in names if _renamed(n, start, end) is not None and n not in ("token_embd.weight", "output.weight")}
+    if role in (Role.HEAD, Role.WHOLE):
+        out.add("token_embd.weight")
+    if role in (Role.TAIL, Role.WHOLE):
+        tie = role is Role.TAIL and ties_output(src, arch)
+        if not tie:
+            out.add("token_embd.weight")
+        if "output.weight" in names and (tie or POLICIES[arch].output is not Output.TIED):
+            out.add("output.weight")
+    return out & names
+
+
 def _write_range(path: Path, src: GGUFMeta, arch: str, n_layer: int,
                  start: int, end: int, role: Role, out: Path, progress: Progress) -> bool:
     """Write the range file; True if its token_embd holds the source's output.weight (``ties_output``)."""

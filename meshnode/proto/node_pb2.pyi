@@ -2270,3 +2270,86 @@ class LinkReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LinkReply: _TypeAlias = LinkReply  # noqa: Y015
+
+@_typing.final
+class FetchRequest(_message.Message):
+    """---------------------------------------------------------------- model bytes (Fetch)"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_ID_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    model_id: _builtins.str
+    """the model's id: 64 lower-case hex digits (meshnode model id FILE)"""
+    manifest: _builtins.bool
+    """send the manifest's canonical bytes (and no spans)"""
+    @_builtins.property
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___ByteSpan]:
+        """else these spans of the file: each the header or one manifest piece"""
+
+    def __init__(
+        self,
+        *,
+        model_id: _builtins.str = ...,
+        manifest: _builtins.bool = ...,
+        spans: _abc.Iterable[Global___ByteSpan] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "model_id", b"model_id", "spans", b"spans"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchRequest: _TypeAlias = FetchRequest  # noqa: Y015
+
+@_typing.final
+class ByteSpan(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """in the file"""
+    length: _builtins.int
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ByteSpan: _TypeAlias = ByteSpan  # noqa: Y015
+
+@_typing.final
+class FetchChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """where `data` starts: in the file, or in the manifest's bytes"""
+    data: _builtins.bytes
+    """at most 1 MiB"""
+    total: _builtins.int
+    """a manifest's length in bytes (0 for file spans)"""
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchChunk: _TypeAlias = FetchChunk  # noqa: Y015

@@ -74,6 +74,11 @@ class NodeStub:
                 request_serializer=meshnode_dot_proto_dot_node__pb2.LinkFrame.SerializeToString,
                 response_deserializer=meshnode_dot_proto_dot_node__pb2.LinkReply.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/meshnode.v1.Node/Fetch',
+                request_serializer=meshnode_dot_proto_dot_node__pb2.FetchRequest.SerializeToString,
+                response_deserializer=meshnode_dot_proto_dot_node__pb2.FetchChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -137,6 +142,16 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """Bytes of a model this node holds, for a node that joins without a copy of the file: the manifest
+        its model id names, or spans of the file (the header, or pieces of tensors as the manifest cuts
+        them). The fetcher checks every span against the manifest before writing it. Bounded per
+        requester and in all, and paced (docs/fetch.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +194,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Link,
                     request_deserializer=meshnode_dot_proto_dot_node__pb2.LinkFrame.FromString,
                     response_serializer=meshnode_dot_proto_dot_node__pb2.LinkReply.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=meshnode_dot_proto_dot_node__pb2.FetchRequest.FromString,
+                    response_serializer=meshnode_dot_proto_dot_node__pb2.FetchChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +417,33 @@ class Node:
             '/meshnode.v1.Node/Link',
             meshnode_dot_proto_dot_node__pb2.LinkFrame.SerializeToString,
             meshnode_dot_proto_dot_node__pb2.LinkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshnode.v1.Node/Fetch',
+            meshnode_dot_proto_dot_node__pb2.FetchRequest.SerializeToString,
+            meshnode_dot_proto_dot_node__pb2.FetchChunk.FromString,
             options,
             channel_credentials,
             insecure,

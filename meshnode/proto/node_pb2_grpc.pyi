@@ -69,6 +69,12 @@ class NodeStub:
     """Many Session streams between two hops as one: each message bundles what several sessions' streams
     send at once (a batch's residuals), each entry tagged with the virtual stream it belongs to.
     """
+    Fetch: _grpc.UnaryStreamMultiCallable[_node_pb2.FetchRequest, _node_pb2.FetchChunk]
+    """Bytes of a model this node holds, for a node that joins without a copy of the file: the manifest
+    its model id names, or spans of the file (the header, or pieces of tensors as the manifest cuts
+    them). The fetcher checks every span against the manifest before writing it. Bounded per
+    requester and in all, and paced (docs/fetch.md).
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -92,6 +98,12 @@ class NodeAsyncStub(NodeStub):
     Link: _aio.StreamStreamMultiCallable[_node_pb2.LinkFrame, _node_pb2.LinkReply]  # type: ignore[assignment]
     """Many Session streams between two hops as one: each message bundles what several sessions' streams
     send at once (a batch's residuals), each entry tagged with the virtual stream it belongs to.
+    """
+    Fetch: _aio.UnaryStreamMultiCallable[_node_pb2.FetchRequest, _node_pb2.FetchChunk]  # type: ignore[assignment]
+    """Bytes of a model this node holds, for a node that joins without a copy of the file: the manifest
+    its model id names, or spans of the file (the header, or pieces of tensors as the manifest cuts
+    them). The fetcher checks every span against the manifest before writing it. Bounded per
+    requester and in all, and paced (docs/fetch.md).
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -161,6 +173,18 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_node_pb2.LinkReply], _abc.AsyncIterator[_node_pb2.LinkReply]]:
         """Many Session streams between two hops as one: each message bundles what several sessions' streams
         send at once (a batch's residuals), each entry tagged with the virtual stream it belongs to.
+        """
+
+    @_abc_1.abstractmethod
+    def Fetch(
+        self,
+        request: _node_pb2.FetchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_node_pb2.FetchChunk], _abc.AsyncIterator[_node_pb2.FetchChunk]]:
+        """Bytes of a model this node holds, for a node that joins without a copy of the file: the manifest
+        its model id names, or spans of the file (the header, or pieces of tensors as the manifest cuts
+        them). The fetcher checks every span against the manifest before writing it. Bounded per
+        requester and in all, and paced (docs/fetch.md).
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,6 +8,7 @@ server accepts connections; nothing here sleeps and hopes.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -56,9 +57,10 @@ class NodeProcess:
             self.state.cleanup()
 
 
-def start_node(model: Path, layers: str | None, *, extra: Sequence[str] = (), timeout: float = 120.0,
+def start_node(model: Path | None, layers: str | None, *, extra: Sequence[str] = (), timeout: float = 120.0,
                state_dir: Path | None = None, command: str = "serve", log_json: bool = False,
-               cpus: Sequence[int] = (), prefix: Sequence[str] = (), listen: str = "127.0.0.1:0") -> NodeProcess:
+               cpus: Sequence[int] = (), prefix: Sequence[str] = (), listen: str = "127.0.0.1:0",
+               env: dict[str, str] | None = None) -> NodeProcess:
     """A ``meshnode serve`` child on 127.0.0.1, port 0; each gets its own identity
     (a fresh temporary state directory) unless ``state_dir`` is given. ``log_json``:
     its log (``stderr()``) is JSON lines at INFO, as under systemd. ``cpus``: run it
@@ -70,10 +72,11 @@ def start_node(model: Path, layers: str | None, *, extra: Sequence[str] = (), ti
         own_state = tempfile.TemporaryDirectory(prefix="meshnode-state-")
         state_dir = Path(own_state.name)
     cmd = [*prefix, *taskset(cpus), sys.executable, "-m", "meshnode", *(["--log-json"] if log_json else []), command,
-           "--model", str(model),
+           *(["--model", str(model)] if model is not None else []),
            *(["--layers", layers] if layers else []), "--listen", listen, "--state-dir", str(state_dir), *extra]
     log = tempfile.TemporaryFile(mode="w+")  # owned (and closed) by NodeProcess
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=None if env is None else {**os.environ, **env})
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from meshnode import errors
@@ -134,3 +136,20 @@ async def outputs(endpoint: str, node_id: str, session_id: str, auth: pb.SignedE
         except grpc.aio.AioRpcError as e:
             raise translate(e, endpoint, "Outputs") from e
     return list(reply.chunks)
+
+
+async def fetch(endpoint: str, request: pb.FetchRequest, timeout: float = 600.0,
+                node_id: str | None = None) -> AsyncIterator[pb.FetchChunk]:
+    """The chunks a peer sends for a Fetch of model bytes (fetch/client.py checks them)."""
+    async with await open_channel(endpoint, node_id) as ch:
+        call = pb_grpc.NodeStub(ch).Fetch(request, timeout=timeout)
+        try:
+            async for chunk in call:
+                yield chunk
+        except grpc.aio.AioRpcError as e:
+            typed, _, message = (e.details() or "").partition(": ")
+            if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND) and typed in errors.BY_CODE:
+                raise errors.from_code(typed, message, hop=endpoint) from e
+            raise translate(e, endpoint, "Fetch") from e
+        finally:
+            call.cancel()

@@ -10,6 +10,7 @@ with the error's code leading the details.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any, NoReturn, Protocol
 
 import grpc
@@ -62,15 +63,40 @@ class Host(Protocol):
     def metrics(self) -> NodeMetrics: ...
 
 
+class ModelShare(Protocol):
+    """The bytes of the model a node holds, for peers that fetch it (fetch/share.py's ``Share``)."""
+
+    def serve(self, req: pb.FetchRequest, requester: str) -> AsyncIterator[pb.FetchChunk]: ...
+
+
+def requester_of(peer: str) -> str:
+    """The address part of grpc's peer string (``ipv4:1.2.3.4:5678``, ``ipv6:[::1]:5678``): one
+    requester whatever port its connection came from."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6" and rest.startswith("["):
+        return rest[1 : rest.find("]")] if "]" in rest else rest
+    host, _, _ = rest.rpartition(":")
+    return host or peer
+
+
+#: a Fetch's typed refusal -> its gRPC status
+_FETCH_STATUS = {
+    "FETCH_BUSY": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "MODEL_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
 async def _abort(context: Any, status: grpc.StatusCode, e: errors.MeshnodeError) -> NoReturn:
     await context.abort(status, f"{e.code}: {e.message}")
     raise AssertionError("unreachable") from e
 
 
 class NodeServicer(pb_grpc.NodeServicer):
-    def __init__(self, host: Host, executor: RangeExecutor) -> None:
+    def __init__(self, host: Host, executor: RangeExecutor, share: ModelShare | None = None) -> None:
         self.host = host
         self.executor = executor
+        self.share = share
 
     async def GetCapability(self, request: pb.CapabilityRequest, context: Any) -> pb.Capability:
         return self.host.current_capability()
@@ -124,3 +150,14 @@ class NodeServicer(pb_grpc.NodeServicer):
         """Many Session streams from one hop as one call (transport/link.py)."""
         m = self.host.metrics
         await serve_link(context, self.host.serve, lambda direction, n: m.link(direction, n))
+
+    async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.FetchChunk]:
+        """Bytes of the model this node holds (fetch/share.py): a refusal is a status before any chunk."""
+        if self.share is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "MODEL_NOT_FOUND: this node shares no model bytes")
+        assert self.share is not None
+        try:
+            async for chunk in self.share.serve(request, requester_of(context.peer())):
+                yield chunk
+        except errors.MeshnodeError as e:
+            await _abort(context, _FETCH_STATUS.get(e.code, grpc.StatusCode.FAILED_PRECONDITION), e)
