@@ -37,6 +37,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "model": (str, None),
     "mesh": (str, None),
     "share_rate": (float, None),
+    "cache_limit": (float, None),
     "layers": (str, None),
     "auto": (bool, False),
     "span": (int, 0),

@@ -75,6 +75,8 @@ class NodeConfig:
     insecure: bool = False
     #: bytes a second this node sends to peers fetching the model from it (0: serves none)
     share_rate: int = DEFAULT_RATE
+    #: bytes the cache's ranges and fetched models may take; unserved ones beyond it are removed (None: no limit)
+    cache_limit: int | None = None
 
 
 def prepare(config: NodeConfig) -> RangeArtifact:
@@ -88,9 +90,19 @@ def prepare(config: NodeConfig) -> RangeArtifact:
 
 
 def prepare_verified(config: NodeConfig) -> RangeArtifact:
-    """``prepare``, then check the bytes that will be loaded against the manifest."""
+    """``prepare``, then check the bytes that will be loaded against the manifest; the range (and a
+    fetched model's file) is then held as in use for this process's life (cache/inuse.py), and the
+    cache limit, if any, applied to the rest."""
+    from meshnode.cache import enforce, inuse
+    from meshnode.fetch.join import is_fetched
+
     art = prepare(config)
     verify_artifact(art)
+    inuse.hold(art.dir)
+    if is_fetched(config.model):
+        inuse.hold(config.model.parent)
+    if config.cache_limit is not None:
+        enforce(config.cache_limit)
     return art
 
 

@@ -126,6 +126,72 @@ def cmd_model_id(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _gb(value: float | None, flag: str) -> int | None:
+    if value is None:
+        return None
+    if value < 0:
+        raise errors.InputError(f"{flag} is GB, 0 or more")
+    return int(value * 1e9)
+
+
+def cmd_model_ls(ns: argparse.Namespace) -> int:
+    """Whole files, fetched models and ranges in the cache: sizes on disk, ids, which are served."""
+    from meshnode.cache import scan
+    from meshnode.runtime.paths import cache_dir
+
+    entries = scan()
+    if ns.json:
+        print(json.dumps([dataclasses.asdict(e) for e in entries]))
+        return 0
+    print(f"{cache_dir()}:")
+    print(f"  {'kind':<8} {'MB':>9}  {'model id':<16}  {'layers':<7}  {'served':<6}  name / path")
+    for e in entries:
+        print(f"  {e.kind:<8} {e.bytes / 1e6:>9.1f}  {(e.model_id[:16] or '?'):<16}  {e.layers or '-':<7}  "
+              f"{'yes' if e.served else 'no':<6}  {e.name}  {e.path}")
+    total = sum(e.bytes for e in entries)
+    print(f"  {len(entries)} entries, {total / 1e9:.2f} GB on disk")
+    return 0
+
+
+def cmd_model_rm(ns: argparse.Namespace) -> int:
+    """Remove what TARGET names (a model id prefix: its ranges, fetched copy and known files; or a path);
+    what a running node serves is refused."""
+    from meshnode.cache import remove, scan
+    from meshnode.modelid.manifest import is_id_prefix
+
+    entries = scan()
+    target = ns.target.lower()
+    if is_id_prefix(target):
+        chosen = [e for e in entries if e.model_id.startswith(target)]
+    else:
+        p = str(Path(ns.target).expanduser().resolve())
+        chosen = [e for e in entries if str(Path(e.path).resolve()) == p or str(Path(e.path).resolve().parent) == p]
+    if ns.ranges:
+        chosen = [e for e in chosen if e.kind == "range"]
+    if not chosen:
+        raise errors.InputError(f"nothing in the cache is {ns.target!r} (see `meshnode model ls`)")
+    served = [e for e in chosen if e.served]
+    if served:
+        raise errors.InputError("in use by a running node (leave it first): " + ", ".join(e.path for e in served))
+    for e in chosen:
+        remove(e)
+        print(f"removed {e.kind} {e.path} ({e.bytes / 1e6:.0f} MB)")
+    return 0
+
+
+def cmd_model_gc(ns: argparse.Namespace) -> int:
+    """Remove unserved ranges and fetched models, least recently used first, down to --limit GB."""
+    from meshnode.cache import enforce
+
+    limit = _gb(ns.limit, "--limit")
+    assert limit is not None
+    gone = enforce(limit)
+    for e in gone:
+        print(f"removed {e.kind} {e.path} ({e.bytes / 1e6:.0f} MB)")
+    print(f"{len(gone)} removed, {sum(e.bytes for e in gone) / 1e6:.0f} MB freed")
+    return 0
+
+
 def cmd_model_inspect(ns: argparse.Namespace) -> int:
     """Architecture, size, experts, context, chat template, and where the model can be cut exactly."""
     from meshnode.gguf.report import describe, render
@@ -219,7 +285,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         model = _model(ns)
         start, end = parse_layers(ns.layers)
     rate = int((64 if ns.share_rate is None else ns.share_rate) * (1 << 20))
-    cfg = NodeConfig(model=model, start=start, end=end, share_rate=rate, listen=ns.listen, executor=exec_config(ns),
+    cfg = NodeConfig(model=model, start=start, end=end, share_rate=rate,
+                     cache_limit=_gb(ns.cache_limit, "--cache-limit"), listen=ns.listen, executor=exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
                      metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure,
@@ -591,6 +658,17 @@ def build_parser() -> argparse.ArgumentParser:
     mid.add_argument("file", help="GGUF file")
     mid.add_argument("--manifest", action="store_true", help="print the manifest (canonical JSON) instead")
     mid.set_defaults(func=cmd_model_id)
+    ls = msub.add_parser("ls", help="model files, fetched models and ranges in the cache: sizes, ids, served")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_model_ls)
+    rm = msub.add_parser("rm", help="remove a model's ranges, fetched copy and files from the cache (not what a "
+                                    "running node serves)")
+    rm.add_argument("target", help="a model id prefix (8+ hex digits) or a path `model ls` shows")
+    rm.add_argument("--ranges", action="store_true", help="only the cut ranges")
+    rm.set_defaults(func=cmd_model_rm)
+    gc = msub.add_parser("gc", help="remove unserved ranges and fetched models, least recently used first")
+    gc.add_argument("--limit", type=float, required=True, metavar="GB", help="what they may take in all")
+    gc.set_defaults(func=cmd_model_gc)
 
     for name, text in (("serve", "serve one layer range"),
                        ("join", "start a node and announce it to the mesh (--tracker / --mdns), or --auto")):
@@ -623,6 +701,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sessions one initiator may open here per minute, after a burst of 60 (default 600)")
         p.add_argument("--max-detached", type=int, metavar="N",
                        help="broken sessions kept for a resume at once (default: --max-sessions)")
+        p.add_argument("--cache-limit", type=float, metavar="GB",
+                       help="the cache's ranges and fetched models may take this much; unserved ones beyond it "
+                            "are removed, least recently used first (default: no limit)")
         p.add_argument("--share-rate", type=float, metavar="MIB_PER_S",
                        help="MiB a second this node sends to peers fetching the model from it (default 64; 0: none)")
         p.add_argument("--no-link", action="store_true",

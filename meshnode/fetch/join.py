@@ -20,6 +20,7 @@ from pathlib import Path
 import trio
 
 from meshnode import errors
+from meshnode.cache import check_room
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
 from meshnode.discovery.tracker_client import lookup
@@ -126,6 +127,7 @@ async def fetch_range(holders: Holders, start: int, end: int, *, root: Path | No
             names = source_reads(read_meta(part.path), start, end)
             want = pieces(part.manifest, names)
             size = sum(p.length for p in part.missing(want))
+            check_room(size, f"fetching layers {start}:{end}")
             log.info("fetching layers %d:%d of %s (%d MB of %d MB) from %d peers", start, end, holders.name,
                      size >> 20, part.manifest.size >> 20, len(endpoints))
             more = await aio.run(functools.partial(fetch_pieces, part, want, endpoints,

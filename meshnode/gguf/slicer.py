@@ -420,6 +420,11 @@ def _cut(source: Path, start: int, end: int, progress: Progress, root: Path | No
     meta = read_meta(source, full=True)
     info = inspect_model(source)
     check_cut(meta.fields, info.arch, info.n_layer, start, end)
+    if start != 0 or end != info.n_layer:  # a whole model is not copied
+        from meshnode.cache import check_room
+
+        reads = source_reads(meta, start, end)
+        check_room(sum(t.n_bytes for t in meta.tensors if t.name in reads), f"cutting layers {start}:{end}", root)
     progress("fingerprinting the source", 0, 1)
     fp = fingerprint(source)
     dir_ = artifact_dir(fp, start, end, root)
