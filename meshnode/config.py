@@ -38,6 +38,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "mesh": (str, None),
     "share_rate": (float, None),
     "cache_limit": (float, None),
+    "memory": (float, None),
     "layers": (str, None),
     "auto": (bool, False),
     "span": (int, 0),

@@ -231,16 +231,20 @@ def _configure_security(ns: argparse.Namespace) -> None:
 def _fetch_share(ns: argparse.Namespace, auto: bool) -> tuple[Path, int, int]:
     """``--mesh NAME`` with no model file here: find the nodes that serve it, take the range given (or
     the weakest-covered one), and fetch what it needs from them (meshnode/fetch)."""
-    from meshnode.cli.membership import replicas_per_layer
-    from meshnode.fetch.join import fetch_range, find_holders
-    from meshnode.routing.assign import weakest_range
+    from meshnode.cli.membership import node_memory, replicas_per_layer
+    from meshnode.fetch.join import fetch_range, find_holders, manifest_for
+    from meshnode.routing.sizing import layer_bytes, sized_range
 
     if ns.tracker:
         check_url(ns.tracker)
     holders = trio.run(functools.partial(find_holders, ns.mesh, tracker=ns.tracker, mdns=ns.mdns))
     if auto:
-        start, end = weakest_range(replicas_per_layer(holders.ranges, holders.n_layer), ns.span or holders.n_layer // 2)
-        print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range)", file=sys.stderr)
+        manifest = trio.run(manifest_for, holders)
+        weights = layer_bytes([(t.name, t.n_bytes) for t in manifest.tensors], holders.n_layer)
+        memory = node_memory(ns.memory)
+        start, end = sized_range(replicas_per_layer(holders.ranges, holders.n_layer), weights, memory, ns.span or 0)
+        print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range that "
+              f"{memory / 1e9:.1f} GB of memory holds)", file=sys.stderr)
     else:
         start, end = parse_layers(ns.layers)
     if not 0 <= start < end <= holders.n_layer:
@@ -276,11 +280,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.mesh:
         model, start, end = _fetch_share(ns, auto)
     elif auto:
-        from meshnode.cli.membership import auto_range
+        from meshnode.cli.membership import auto_range, node_memory
 
         model = _model(ns)
-        start, end = auto_range(model, ns.span, tracker=ns.tracker, mdns=ns.mdns)
-        print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range)", file=sys.stderr)
+        memory = node_memory(ns.memory)
+        start, end = auto_range(model, ns.span, tracker=ns.tracker, mdns=ns.mdns, memory=memory)
+        print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range that "
+              f"{memory / 1e9:.1f} GB of memory holds)", file=sys.stderr)
     else:
         model = _model(ns)
         start, end = parse_layers(ns.layers)
@@ -711,7 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "them (for comparison: docs/protocol.md, \"Links\")")
         if name == "join":
             p.add_argument("--auto", action="store_true", help="take the range whose coverage is weakest")
-            p.add_argument("--span", type=int, help="with --auto: layers to take (default: half the model)")
+            p.add_argument("--span", type=int, help="with --auto: the most layers to take (default: the longest "
+                                                    "stretch nobody serves, else half the model)")
+            p.add_argument("--memory", type=float, metavar="GB",
+                           help="with --auto: this node's memory budget; it takes no more layers than their "
+                                "weights fit in three quarters of it (default: 0.8 of what the machine or its "
+                                "cgroup has available)")
         _add_exec_flags(p)
         p.set_defaults(func=cmd_serve, join=name == "join")
 

@@ -19,7 +19,7 @@ from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.gguf.model import fingerprint, inspect_model
 from meshnode.http.client import request, tracker_url
-from meshnode.routing.assign import coverage, weakest_range
+from meshnode.routing.assign import coverage
 from meshnode.runtime.nodes import Running, find_nodes, probe
 from meshnode.transport.aiothread import AioThread, open_aio_thread
 from meshnode.transport.client import get_capability, health
@@ -57,8 +57,25 @@ async def _mdns_ranges(interface: str, fp: str, wait: float = 2.0) -> list[tuple
             if p.capability.model_fingerprint == fp]
 
 
-def auto_range(model: Path, span: int, *, tracker: str | None, mdns: str | None) -> tuple[int, int]:
-    """The range a joining node should take: the weakest-covered window of ``span`` layers."""
+def node_memory(memory_gb: float | None) -> int:
+    """A node's memory budget: ``--memory`` GB, else a share of what the machine or its cgroup has left."""
+    from meshnode.executor.cpus import available_memory
+    from meshnode.routing.sizing import DEFAULT_SHARE
+
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise errors.InputError("--memory is GB, more than 0")
+        return int(memory_gb * 1e9)
+    return int(available_memory() * DEFAULT_SHARE)
+
+
+def auto_range(model: Path, span: int, *, tracker: str | None, mdns: str | None,
+               memory: int) -> tuple[int, int]:
+    """The range a joining node should take: as many layers as ``memory`` holds (``span`` at most, if
+    given), where the mesh covers least (routing/sizing.py)."""
+    from meshnode.gguf.meta import read_meta
+    from meshnode.routing.sizing import layer_bytes, sized_range
+
     if not tracker and not mdns:
         raise errors.InputError("--auto needs to see the mesh: give --tracker URL and/or --mdns ADDR")
     n_layer = inspect_model(model).n_layer
@@ -73,7 +90,8 @@ def auto_range(model: Path, span: int, *, tracker: str | None, mdns: str | None)
         return ranges
 
     ranges = trio.run(gather)
-    return weakest_range(replicas_per_layer(ranges, n_layer), span or n_layer // 2)
+    weights = layer_bytes([(t.name, t.n_bytes) for t in read_meta(model).tensors], n_layer)
+    return sized_range(replicas_per_layer(ranges, n_layer), weights, memory, span)
 
 
 def select(base: Path, state_dir: Path | None, listen: list[str], *, every: bool) -> list[Running]:

@@ -60,7 +60,14 @@ def default_ctx_size(n_ctx_train: int, kv_bytes_per_token: int, max_sessions: in
 
 
 def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """MemAvailable in bytes (0 if unknown)."""
+    """MemAvailable in bytes (0 if unknown), or less when this process's cgroup memory limit leaves less."""
+    if meminfo == Path("/proc/meminfo"):
+        from meshnode.executor.cpus import available_memory
+
+        try:
+            return available_memory()
+        except (OSError, ValueError):
+            pass
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):

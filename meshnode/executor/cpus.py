@@ -40,10 +40,10 @@ def parse_cfs(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-def cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[tuple[int, Path]]:
+def cgroup_dirs(proc_cgroup: str, mountinfo: str, controller: str = "cpu") -> list[tuple[int, Path]]:
     """The CPU-controller directories of this process's cgroup and of its ancestors, deepest first,
     each with its version (1 or 2), from /proc/self/cgroup and /proc/self/mountinfo."""
-    mounts: dict[str, Path] = {}  # "cpu" (v1 controller) or "" (v2) -> mount point
+    mounts: dict[str, Path] = {}  # the v1 controller's name, or "" (v2) -> mount point
     for line in mountinfo.splitlines():
         left, _, right = line.partition(" - ")
         fields, rest = left.split(), right.split()
@@ -51,16 +51,16 @@ def cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[tuple[int, Path]]:
             continue
         if rest[0] == "cgroup2":
             mounts.setdefault("", Path(fields[4]))
-        elif rest[0] == "cgroup" and len(rest) >= 3 and "cpu" in rest[2].split(","):
-            mounts.setdefault("cpu", Path(fields[4]))
+        elif rest[0] == "cgroup" and len(rest) >= 3 and controller in rest[2].split(","):
+            mounts.setdefault(controller, Path(fields[4]))
     out: list[tuple[int, Path]] = []
     for entry in proc_cgroup.splitlines():
         hid, _, tail = entry.partition(":")
         controllers, _, path = tail.partition(":")
         if hid == "0" and controllers == "" and "" in mounts:
             version, root = 2, mounts[""]
-        elif "cpu" in controllers.split(",") and "cpu" in mounts:
-            version, root = 1, mounts["cpu"]
+        elif controller in controllers.split(",") and controller in mounts:
+            version, root = 1, mounts[controller]
         else:
             continue
         rel = Path(path.lstrip("/"))
@@ -99,3 +99,32 @@ def usable_cpus() -> int:
         return mask
     quota = quota_cpus(cgroup_dirs(cgroup, mountinfo), _read)
     return mask if quota is None else max(1, min(mask, math.ceil(quota - 1e-9)))
+
+
+def memory_limit(dirs: list[tuple[int, Path]], read: Callable[[Path], str | None]) -> tuple[int, int] | None:
+    """(limit, usage) in bytes of the tightest memory limit along ``dirs`` (v2 ``memory.max`` /
+    ``memory.current``, v1 ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``), or None."""
+    best: tuple[int, int] | None = None
+    for version, d in dirs:
+        names = ("memory.max", "memory.current") if version == 2 else ("memory.limit_in_bytes",
+                                                                        "memory.usage_in_bytes")
+        limit, usage = read(d / names[0]), read(d / names[1])
+        if limit is None or not limit.strip().isdigit():
+            continue  # "max", unreadable
+        n = int(limit.strip())
+        if n >= 1 << 60:  # v1's "no limit" is a huge number
+            continue
+        used = int(usage.strip()) if usage is not None and usage.strip().isdigit() else 0
+        if best is None or n - used < best[0] - best[1]:
+            best = (n, used)
+    return best
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: MemAvailable, or less when its cgroup's memory limit leaves less."""
+    from meshnode.routing.sizing import available_memory as pure
+
+    meminfo = _read(Path("/proc/meminfo")) or ""
+    cgroup, mountinfo = _read(Path("/proc/self/cgroup")), _read(Path("/proc/self/mountinfo"))
+    lim = memory_limit(cgroup_dirs(cgroup, mountinfo, "memory"), _read) if cgroup and mountinfo else None
+    return pure(meminfo, lim[0] if lim else None, lim[1] if lim else 0)

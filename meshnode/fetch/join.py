@@ -90,6 +90,19 @@ async def find_holders(query: str, *, tracker: str | None, mdns: str | None, tim
     return Holders(ids.pop(), cap.n_layer, cap.model_file or cap.model_name, peers)
 
 
+async def manifest_for(holders: Holders) -> Manifest:
+    """The model's manifest: kept here, or from the holders (checked against the id)."""
+    kept = stored(holders.model_id)
+    if kept is not None:
+        return kept
+    async with open_aio_thread(name="meshnode-fetch") as aio:
+        got: Manifest = await aio.run(fetch_manifest, [p.endpoint for p in holders.peers], holders.model_id)
+    from meshnode.modelid.local import store
+
+    store(got)
+    return got
+
+
 def check_tensors(part: PartialModel, names: set[str]) -> None:
     """Read back every tensor in ``names`` whole and check it against the manifest (IntegrityError)."""
     with part.path.open("rb", buffering=0) as fh:

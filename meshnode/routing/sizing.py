@@ -1,0 +1,110 @@
+"""How many layers a joining node takes, and which: as many as its memory holds, where the mesh is
+thinnest (pure).
+
+A range's memory is its weights (its blocks, plus the token table for a head and the lm_head for a
+tail), its KV cache and compute buffers, and the process itself. The budget (``--memory``, default
+``DEFAULT_SHARE`` of what the machine or its cgroup has available) is split: ``KV_SHARE`` of it is
+kept for the KV cache and llama.cpp's buffers (a node sizes its context to fit a quarter of the
+available memory: executor/context.py), ``BASE`` for the process, the rest for weights. Among the
+windows whose weights fit, the longest is taken, placed where the mesh covers least
+(``weakest_range``'s order); so nodes with more memory take more layers, and a mesh of nodes with
+different memory splits a model in proportion to what each holds. docs/operations.md says it for
+users.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshnode.errors import InputError
+
+#: of the memory available, what a node takes by default
+DEFAULT_SHARE = 0.8
+#: of a node's budget, kept for the KV cache and compute buffers
+KV_SHARE = 0.25
+#: the node process without weights (Python, grpc, llama.cpp's runtime), bytes
+BASE = 300 << 20
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Weight bytes per layer, and what a head (token table) and a tail (lm_head, output norm) add;
+    ``shared``: bytes both count (a tied model's token table is its lm_head), counted once in a whole."""
+
+    per: tuple[int, ...]
+    head: int
+    tail: int
+    shared: int = 0
+
+
+def layer_bytes(tensors: Sequence[tuple[str, int]], n_layer: int) -> Weights:
+    """``Weights`` from ``(tensor name, bytes)``."""
+    per = [0] * n_layer
+    head = tail = shared = 0
+    tied = not any(t == "output.weight" for t, _ in tensors)
+    for name, n in tensors:
+        if name.startswith("blk."):
+            idx = name[4:].split(".", 1)[0]
+            if idx.isdigit() and int(idx) < n_layer:
+                per[int(idx)] += n
+        elif name == "token_embd.weight":
+            head += n
+            if tied:  # the tail's lm_head
+                tail += n
+                shared = n
+        elif name.startswith("output"):
+            tail += n
+    return Weights(tuple(per), head, tail, shared)
+
+
+def weights_budget(memory: int) -> int:
+    return int(memory * (1 - KV_SHARE)) - BASE
+
+
+def need(w: Weights, start: int, end: int) -> int:
+    """Weight bytes of the range [start, end)."""
+    whole = start == 0 and end == len(w.per)
+    return (sum(w.per[start:end]) + (w.head if start == 0 else 0) + (w.tail if end == len(w.per) else 0)
+            - (w.shared if whole else 0))
+
+
+def target_span(replicas: Sequence[int]) -> int:
+    """How many layers a node would take with memory to spare: the longest stretch of layers nobody
+    serves, or half the model when every layer is served (a replica of the thinner half)."""
+    longest = run = 0
+    for r in replicas:
+        run = run + 1 if r == 0 else 0
+        longest = max(longest, run)
+    return longest or max(len(replicas) // 2, 1)
+
+
+def sized_range(replicas: Sequence[int], w: Weights, memory: int, span: int = 0) -> tuple[int, int]:
+    """The range to take: ``span`` layers (default ``target_span``), fewer if the weights of no such
+    window fit ``memory``'s weight budget, placed where the mesh covers least. InputError if not one
+    layer fits."""
+    n = len(w.per)
+    budget = weights_budget(memory)
+    most = span or target_span(replicas)
+    if not 0 < most <= n:
+        raise InputError(f"a span of {most} layers does not fit a model of {n}")
+    for s in range(most, 0, -1):
+        fits = [a for a in range(n - s + 1) if need(w, a, a + s) <= budget]
+        if fits:
+            a = min(fits, key=lambda a: (min(replicas[a : a + s]), sum(replicas[a : a + s]), a))
+            return a, a + s
+    smallest = min(need(w, a, a + 1) for a in range(n))
+    raise InputError(f"not one layer fits this node's memory: {memory >> 20} MB leaves {max(budget, 0) >> 20} MB "
+                     f"for weights, the smallest layer needs {smallest >> 20} MB (give more --memory)")
+
+
+def available_memory(meminfo: str, cgroup_limit: int | None, cgroup_usage: int) -> int:
+    """What this process may still use: MemAvailable, or less if its cgroup's limit leaves less."""
+    avail = 0
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    if cgroup_limit is not None and cgroup_limit > 0:
+        room = max(cgroup_limit - cgroup_usage, 0)
+        avail = min(avail, room) if avail else room
+    return avail
