@@ -92,3 +92,110 @@ def memory_cgroup(limit: int) -> Iterator[MemCap]:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+
+# -- the benchmark: python -m bench.memcap ------------------------------------------------------------
+
+
+def _whole_under(cap: MemCap, model: Path, tokens: int) -> dict[str, object]:
+    """The whole model in ``Llama`` (2 threads) under ``cap``: its decode
+    tok/s, or how it failed."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [*cap.prefix, sys.executable, "-m", "bench.route_bench", "--whole-child", "--model", str(model),
+           "--tokens", str(tokens), "--threads", "2", "--threads-batch", "2"]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    out: dict[str, object] = {"seconds": round(time.monotonic() - t0, 1), "returncode": done.returncode}
+    if done.returncode == 0:
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        out.update(decode_tps=r["decode_tps"], tokens=r["short_tokens"])
+    else:
+        out["error"] = done.stderr.strip()[-300:]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Three nodes of the 1.34 GB model each under a memory limit of ``--cap`` of it (one joined with no
+    copy), against the whole model without a limit and under the same limit, side by side."""
+    import argparse
+    import json
+    import sys
+    import tempfile
+
+    from bench import paths, synth
+    from meshnode.gguf.model import fingerprint
+    from meshnode.runtime.launch import start_node
+    from tests.test_tracker import _start_tracker, _stop
+
+    ap = argparse.ArgumentParser(prog="python -m bench.memcap", description=main.__doc__)
+    ap.add_argument("--cap", type=float, default=0.55, help="each node's memory limit, as a share of the model")
+    ap.add_argument("--tokens", type=int, default=64)
+    ns = ap.parse_args(argv)
+    model = synth.ensure_model(1.0)
+    size = model.stat().st_size
+    limit = int(ns.cap * size)
+    print(f"command: python -m bench.memcap {' '.join(sys.argv[1:] if argv is None else argv)}\n"
+          f"model {model.name}: {size / 1e9:.2f} GB; limit per node {limit / 1e9:.2f} GB ({ns.cap} of it)", flush=True)
+    flags = ("--max-sessions", "1", "--ctx-size", "512", "--heartbeat", "1")
+    rows: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp, memory_cgroup(limit) as a, memory_cgroup(limit) as b, \
+            memory_cgroup(limit) as c:
+        proc, url = _start_tracker(Path(tmp) / "t.sqlite", ttl=10)
+        nodes = []
+        try:
+            nodes += [start_node(model, "0:8", command="join", prefix=a.prefix, timeout=300,
+                                 extra=("--tracker", url, *flags)),
+                      start_node(model, "8:16", command="join", prefix=b.prefix, timeout=300,
+                                 extra=("--tracker", url, *flags))]
+            time.sleep(3)
+            t0 = time.monotonic()
+            nodes.append(start_node(None, "16:24", command="join", prefix=c.prefix, timeout=900,
+                                    extra=("--mesh", fingerprint(model)[:16], "--tracker", url, *flags),
+                                    env={"MESHNODE_CACHE_DIR": str(Path(tmp) / "cache")}))
+            joined = time.monotonic() - t0
+            fetched = next((ln for ln in nodes[2].stderr().splitlines() if "fetched" in ln), "")
+            print(f"  the third node joined with no copy in {joined:.1f} s: {fetched}", flush=True)
+            peers = [n.endpoint for n in nodes]
+            paths.generate(peers, paths.PROMPT, 4)
+            ts, s = paths.generate(peers, paths.PROMPT, 8)
+            tl, lg = paths.generate(peers, paths.PROMPT, 8 + ns.tokens)
+            route = (len(lg["tokens"]) - len(s["tokens"])) / (tl - ts)
+            rows["route"] = {"decode_tps": route, "peak_mb": [x.peak() >> 20 for x in (a, b, c)],
+                             "events": [x.events() for x in (a, b, c)], "join_seconds": joined}
+        finally:
+            for n in nodes:
+                n.stop()
+            _stop(proc)
+    free = paths.whole_decode(model, 2, ns.tokens)
+    rows["whole"] = {"decode_tps": free["decode_tps"]}
+    with memory_cgroup(limit) as w:
+        capped = _whole_under(w, model, ns.tokens)
+        capped.update(peak_mb=w.peak() >> 20, events=w.events())
+    rows["whole_capped"] = capped
+    same = capped.get("tokens") == free["short_tokens"] if "tokens" in capped else None
+    print("\n| what | memory limit | decode tok/s | peak MB per process | limit hits / OOM kills |")
+    print("|---|---|---|---|---|")
+    r = rows["route"]
+    assert isinstance(r, dict)
+    hits = ", ".join(f"{e.get('failcnt', e.get('max', 0))}/{e.get('oom_kill', 0)}" for e in r["events"])
+    print(f"| route of 3 (one fetched its range) | {limit >> 20} MB each | {r['decode_tps']:.2f} | "
+          f"{', '.join(map(str, r['peak_mb']))} | {hits} |")
+    print(f"| whole model (`Llama`, 2 threads) | none | {free['decode_tps']:.2f} | - | - |")
+    ev = capped.get("events", {})
+    assert isinstance(ev, dict)
+    tps = capped.get("decode_tps")
+    print(f"| whole model (`Llama`, 2 threads) | {limit >> 20} MB | "
+          f"{f'{tps:.2f}' if isinstance(tps, float) else 'failed: ' + str(capped.get('error', ''))[:60]} | "
+          f"{capped.get('peak_mb')} | {ev.get('failcnt', ev.get('max', 0))}/{ev.get('oom_kill', 0)} |")
+    print(f"greedy tokens of the route equal the whole model's: "
+          f"{lg['tokens'][: len(free['short_tokens'])] == free['short_tokens'][: len(lg['tokens'])]}; the capped whole "
+          f"model's equal the free one's: {same}")
+    print(json.dumps(rows, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -319,3 +319,28 @@ def test_join_with_mesh_refuses_bad_combinations(model: Path) -> None:
     assert blind.returncode != 0
     assert "--tracker" in blind.stderr
 
+
+
+def test_the_walkthrough_in_docs_runs_as_written(model: Path, tmp_path: Path) -> None:
+    """docs/fetch.md's blocks, in order, in a network namespace of their own (as tests/test_readme.py)."""
+    from meshnode.runtime.paths import cache_dir
+    from tests.test_readme import ROOT, _run_in_netns, _script, sh_blocks
+
+    blocks = sh_blocks((ROOT / "docs" / "fetch.md").read_text())
+    assert len(blocks) == 2, "a new block in docs/fetch.md: give it its checks here"
+    work = tmp_path / "checkout"
+    work.mkdir()
+    (work / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "MESHNODE_CACHE_DIR": str(cache_dir())}
+    env.pop("STATE_DIRECTORY", None)
+    run = _run_in_netns(_script(blocks, work), env, timeout=600)
+    out, err = ([(work / f"{kind}{i}").read_text() if (work / f"{kind}{i}").exists() else ""
+                 for i in range(len(blocks))] for kind in ("out", "err"))
+    assert run.returncode == 0, f"{run.stdout!r}\n" + "\n".join(o[-1500:] + e[-1500:]
+                                                               for o, e in zip(out, err, strict=True))
+    assert out[0].strip() == fingerprint(model)
+    assert "--auto chose layers" in err[1]
+    assert "fetched" in err[1]
+    listed = [line for line in out[1].splitlines() if line.strip().startswith(("fetched", "range"))]
+    assert any(line.split()[0] == "fetched" and " yes " in line for line in listed), out[1]
+    assert any(line.split()[0] == "range" and " yes " in line for line in listed), out[1]
