@@ -88,7 +88,7 @@ MAX_WINDOW = 1 << 16
 #: examples per property (MESHNODE_FUZZ_EXAMPLES overrides them all)
 TAIL_EXAMPLES, HEAD_EXAMPLES, OPEN_EXAMPLES = 160, 120, 150
 RAW_EXAMPLES, RAW_SESSION_EXAMPLES, BUG_EXAMPLES, CODEC_EXAMPLES = 250, 150, 30, 1500
-OUTPUTS_EXAMPLES, LINK_EXAMPLES = 120, 120
+OUTPUTS_EXAMPLES, LINK_EXAMPLES, FETCH_EXAMPLES = 120, 120, 120
 _EXAMPLES = os.environ.get("MESHNODE_FUZZ_EXAMPLES")
 _SEED = os.environ.get("MESHNODE_FUZZ_SEED")
 
@@ -1456,6 +1456,70 @@ async def test_fuzz_outputs_requests(node_factory):
     action's, another session's, a stale one, garbage envelopes, unknown sessions; random ranges."""
     fz = await run_live(node_factory, lambda fz: fuzz_outputs(fz, OUTPUTS_EXAMPLES))
     assert fz.sent >= examples(OUTPUTS_EXAMPLES)
+
+
+# -- Fetch: the model's bytes, to peers that join with no copy (fetch/share.py) -------------------
+
+#: a Fetch's refusals: the request is bad, names another model or a piece not held, or comes too often
+FETCH_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+async def _fetch(fz: Fuzz, target: Node, req: pb.FetchRequest, manifest: Any) -> None:
+    fz.counted()
+    chunks: list[pb.FetchChunk] = []
+    refused: grpc.aio.AioRpcError | None = None
+    try:
+        async for c in target.stub.Fetch(req, timeout=30):
+            chunks.append(c)
+    except grpc.aio.AioRpcError as e:
+        refused = e
+    if refused is not None:
+        assert refused.code() in FETCH_REFUSALS, f"{refused.code().name} {refused.details()}"
+        assert refused.details().split(":", 1)[0] in errors.BY_CODE, refused.details()  # a typed refusal
+        assert not chunks, "refused after sending bytes"
+        return
+    if req.manifest:
+        assert b"".join(c.data for c in chunks) == manifest.canonical()
+        return
+    asked = sum(s.length for s in req.spans)
+    assert sum(len(c.data) for c in chunks) == asked
+    spans = [(s.offset, s.offset + s.length) for s in req.spans]
+    assert all(any(a <= c.offset and c.offset + len(c.data) <= b for a, b in spans) for c in chunks)
+
+
+def fuzz_fetch(fz: Fuzz, max_examples: int, manifest: Any) -> None:
+    from meshnode.fetch.plan import all_pieces
+
+    pieces = all_pieces(manifest)[:40]  # the header and the first pieces: small, quick to serve
+
+    @fuzz(max_examples)
+    @given(st.data())
+    def prop(data: st.DataObject) -> None:
+        d = data.draw
+        target = d(st.sampled_from([fz.head, fz.tail]), label="target")
+        model_id = d(st.sampled_from([manifest.model_id, manifest.model_id]) | st.text(max_size=70)
+                     | st.from_regex(r"[0-9a-f]{64}", fullmatch=True), label="model_id")
+        span = st.one_of(
+            st.sampled_from(pieces).map(lambda p: pb.ByteSpan(offset=p.offset, length=p.length)),
+            st.builds(pb.ByteSpan, offset=st.integers(0, UINT64), length=st.integers(0, UINT64)),
+            st.sampled_from(pieces).map(lambda p: pb.ByteSpan(offset=p.offset + 1, length=p.length)),
+        )
+        req = pb.FetchRequest(model_id=model_id, manifest=d(st.booleans(), label="manifest"),
+                              spans=d(st.lists(span, max_size=70), label="spans"))
+        fz.call(_fetch, fz, target, req, manifest)
+
+    prop()
+
+
+async def test_fuzz_fetch_requests(node_factory, model):
+    """Fetch with the node's own model id, random ids and text; the manifest, real pieces, pieces off by
+    one, random spans, too many spans: each is served exactly (the bytes asked, the manifest whole) or
+    refused with a typed status before any byte, beside a healthy session."""
+    from meshnode.modelid import manifest_of
+
+    manifest = manifest_of(model)
+    fz = await run_live(node_factory, lambda fz: fuzz_fetch(fz, FETCH_EXAMPLES, manifest))
+    assert fz.sent >= examples(FETCH_EXAMPLES)
 
 
 # -- links: many sessions' frames in one message (transport/link.py) ---------------------------
