@@ -25,7 +25,7 @@ this one's, never overwritten by it):
 * ``vocab.gguf`` (head only) the source's metadata and its ``token_embd``
   tensor, unchanged: the head tokenizes with it (llama.cpp, vocab only) and
   looks token rows up in it itself, feeding embeddings to layer 0.
-* ``manifest.json`` the source fingerprint (sha256 of the source file), the
+* ``manifest.json`` the source fingerprint (the model id: meshnode/modelid), the
   range, and the sha256 of every tensor in the slice (as named in
   ``range.gguf``), plus a range digest over them all; ``token_embd_is_output``
   says whether the tail's ``token_embd`` holds the source's ``output.weight``.

@@ -293,7 +293,7 @@ class Attestation(_message.Message):
     node_id: _builtins.str
     """derived from the signer's public key (meshnode.identity)"""
     model_fingerprint: _builtins.str
-    """sha256 of the source GGUF"""
+    """the model id (sha256 of the source GGUF's manifest)"""
     range_digest: _builtins.str
     """sha256 over the range's tensor digests, as in its manifest"""
     llama_build: _builtins.str
@@ -705,7 +705,7 @@ class Capability(_message.Message):
     node_version: _builtins.str
     """meshnode package version"""
     model_fingerprint: _builtins.str
-    """sha256 (hex) of the source GGUF the range was cut from"""
+    """the model id: sha256 (hex) of the source GGUF's manifest (docs/fetch.md)"""
     model_name: _builtins.str
     """general.name of the source model"""
     arch: _builtins.str
