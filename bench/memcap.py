@@ -60,6 +60,29 @@ class MemCap:
         return out
 
 
+def drop_cached(paths: list[Path]) -> None:
+    """Ask the kernel to drop these files' pages from the page cache (``POSIX_FADV_DONTNEED``), so the
+    next process that maps them faults them in and its cgroup is charged for them: a page already
+    cached is charged to whoever read it first, and a limit would not bind on it."""
+    for p in paths:
+        with contextlib.suppress(OSError):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def model_files(model: Path) -> list[Path]:
+    """The model file and every range file cut from it in the cache."""
+    from meshnode.gguf.model import fingerprint
+    from meshnode.runtime.paths import cache_dir
+
+    cut = cache_dir() / "ranges" / fingerprint(model)[:32]
+    return [model, *cut.glob("*/*.gguf")]
+
+
 def _make(limit: int) -> MemCap:
     name = f"meshnode-cap-{uuid.uuid4().hex[:8]}"
     if (V1 / "memory.limit_in_bytes").exists() and os.access(V1, os.W_OK):
@@ -104,6 +127,7 @@ def _whole_under(cap: MemCap, model: Path, tokens: int) -> dict[str, object]:
     import subprocess
     import sys
 
+    drop_cached(model_files(model))
     cmd = [*cap.prefix, sys.executable, "-m", "bench.route_bench", "--whole-child", "--model", str(model),
            "--tokens", str(tokens), "--threads", "2", "--threads-batch", "2"]
     t0 = time.monotonic()
@@ -146,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = _start_tracker(Path(tmp) / "t.sqlite", ttl=10)
         nodes = []
         try:
-            nodes += [start_node(model, "0:8", command="join", prefix=a.prefix, timeout=300,
-                                 extra=("--tracker", url, *flags)),
-                      start_node(model, "8:16", command="join", prefix=b.prefix, timeout=300,
-                                 extra=("--tracker", url, *flags))]
+            for cap, layers in ((a, "0:8"), (b, "8:16")):
+                drop_cached(model_files(model))  # each node's cgroup is charged for the weights it maps
+                nodes.append(start_node(model, layers, command="join", prefix=cap.prefix, timeout=300,
+                                        extra=("--tracker", url, *flags)))
             time.sleep(3)
             t0 = time.monotonic()
             nodes.append(start_node(None, "16:24", command="join", prefix=c.prefix, timeout=900,

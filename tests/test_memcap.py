@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import synth
-from bench.memcap import MemCap, Unavailable, memory_cgroup
+from bench.memcap import MemCap, Unavailable, drop_cached, memory_cgroup, model_files
 from meshnode.errors import InputError
 from meshnode.gguf.meta import read_meta
 from meshnode.gguf.model import fingerprint, inspect_model
@@ -85,6 +85,7 @@ def test_three_capped_nodes_one_with_no_copy_equal_the_whole_model(big: Path, ca
     nodes: list[NodeProcess] = []
     try:
         for cap, layers in zip(caps[:2], ("0:8", "8:16"), strict=True):
+            drop_cached(model_files(big))  # the weights it maps are charged to its cgroup, not to an earlier reader
             nodes.append(start_node(big, layers, command="join", prefix=cap.prefix, timeout=300,
                                     extra=("--tracker", url, *NODE_FLAGS)))
         deadline = time.monotonic() + 20
