@@ -19,7 +19,16 @@ from bench.memcap import MemCap, Unavailable, drop_cached, memory_cgroup, model_
 from meshnode.errors import InputError
 from meshnode.gguf.meta import read_meta
 from meshnode.gguf.model import fingerprint, inspect_model
-from meshnode.routing.sizing import BASE, KV_SHARE, Weights, layer_bytes, need, sized_range, target_span
+from meshnode.routing.sizing import (
+    BASE,
+    KV_SHARE,
+    Weights,
+    layer_bytes,
+    need,
+    relative_speed,
+    sized_range,
+    target_span,
+)
 from meshnode.runtime.launch import NodeProcess, start_node
 from tests.conftest import cli, llama_reference
 from tests.test_tracker import _start_tracker, _stop
@@ -51,6 +60,23 @@ def test_the_longest_window_that_fits_goes_where_the_mesh_is_thinnest() -> None:
     assert taken == [6, 3, 1]
     with pytest.raises(InputError, match="not one layer fits"):
         sized_range([0] * 10, w, mem(20))
+
+
+def test_where_every_layer_is_served_a_node_takes_layers_in_proportion_to_its_speed() -> None:
+    mine = (0.001, 0.001)  # a step: 1 ms fixed, 1 ms a layer
+    assert relative_speed(mine, [(10, 0.011), (5, 0.006)]) == 1.0
+    assert relative_speed(mine, [(10, 0.0055), (10, 0.0056), (10, 0.011)]) == pytest.approx(0.5091, abs=1e-3)
+    assert relative_speed(mine, [(10, 0.012)]) == 1.0  # within a third: counted as equal (noise)
+    assert relative_speed(mine, [(10, 0.033)]) == pytest.approx(3.0)
+    assert relative_speed((0.0, 0.0), [(10, 0.01)]) == 1.0  # unknown
+    w = Weights((100,) * 10, 50, 60)
+    big = 10**9
+    served = [1] * 10
+    assert sized_range(served, w, big) == (0, 5)  # half the model, as fast as the others
+    assert sized_range(served, w, big, speed=0.5) == (0, 2)  # half as fast: half of that (rounded)
+    assert sized_range(served, w, big, speed=3.0) == (0, 10)  # faster: more, up to all of it
+    gap = [1] * 5 + [0] * 5
+    assert sized_range(gap, w, big, speed=0.2) == (5, 10)  # a gap is covered whatever the speed
 
 
 def test_layer_bytes_count_blocks_and_the_vocabulary_matrices(model: Path) -> None:

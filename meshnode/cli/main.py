@@ -232,8 +232,9 @@ def _fetch_share(ns: argparse.Namespace, auto: bool) -> tuple[Path, int, int]:
     """``--mesh NAME`` with no model file here: find the nodes that serve it, take the range given (or
     the weakest-covered one), and fetch what it needs from them (meshnode/fetch)."""
     from meshnode.cli.membership import node_memory, replicas_per_layer
+    from meshnode.executor.probe import probe_span, step_time
     from meshnode.fetch.join import fetch_range, find_holders, manifest_for
-    from meshnode.routing.sizing import layer_bytes, sized_range
+    from meshnode.routing.sizing import layer_bytes, relative_speed, sized_range
 
     if ns.tracker:
         check_url(ns.tracker)
@@ -242,9 +243,17 @@ def _fetch_share(ns: argparse.Namespace, auto: bool) -> tuple[Path, int, int]:
         manifest = trio.run(manifest_for, holders)
         weights = layer_bytes([(t.name, t.n_bytes) for t in manifest.tensors], holders.n_layer)
         memory = node_memory(ns.memory)
-        start, end = sized_range(replicas_per_layer(holders.ranges, holders.n_layer), weights, memory, ns.span or 0)
+        # this machine's speed on a few of the model's own layers, fetched first (they are fetched anyway
+        # if the range chosen holds them), against what the holders advertise
+        a, b = probe_span(holders.n_layer)
+        speed = 1.0
+        if b > a:
+            probe_path, _ = trio.run(fetch_range, holders, a, b)
+            speed = relative_speed(step_time(probe_path, holders.n_layer), holders.step_times)
+        start, end = sized_range(replicas_per_layer(holders.ranges, holders.n_layer), weights, memory, ns.span or 0,
+                                 speed)
         print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range that "
-              f"{memory / 1e9:.1f} GB of memory holds)", file=sys.stderr)
+              f"{memory / 1e9:.1f} GB of memory holds; speed {speed:.2f} of the mesh's nodes)", file=sys.stderr)
     else:
         start, end = parse_layers(ns.layers)
     if not 0 <= start < end <= holders.n_layer:
@@ -284,9 +293,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         model = _model(ns)
         memory = node_memory(ns.memory)
-        start, end = auto_range(model, ns.span, tracker=ns.tracker, mdns=ns.mdns, memory=memory)
+        start, end, speed = auto_range(model, ns.span, tracker=ns.tracker, mdns=ns.mdns, memory=memory)
         print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range that "
-              f"{memory / 1e9:.1f} GB of memory holds)", file=sys.stderr)
+              f"{memory / 1e9:.1f} GB of memory holds; speed {speed:.2f} of the mesh's nodes)", file=sys.stderr)
     else:
         model = _model(ns)
         start, end = parse_layers(ns.layers)

@@ -70,28 +70,23 @@ def node_memory(memory_gb: float | None) -> int:
 
 
 def auto_range(model: Path, span: int, *, tracker: str | None, mdns: str | None,
-               memory: int) -> tuple[int, int]:
-    """The range a joining node should take: as many layers as ``memory`` holds (``span`` at most, if
-    given), where the mesh covers least (routing/sizing.py)."""
+               memory: int) -> tuple[int, int, float]:
+    """The range a joining node should take: as many layers as ``memory`` holds and this machine's speed
+    merits (``span`` at most, if given), where the mesh covers least (routing/sizing.py); and that speed
+    relative to the mesh's nodes."""
+    from meshnode.executor.probe import step_time
+    from meshnode.fetch.join import find_holders
     from meshnode.gguf.meta import read_meta
-    from meshnode.routing.sizing import layer_bytes, sized_range
+    from meshnode.routing.sizing import layer_bytes, relative_speed, sized_range
 
     if not tracker and not mdns:
         raise errors.InputError("--auto needs to see the mesh: give --tracker URL and/or --mdns ADDR")
     n_layer = inspect_model(model).n_layer
-    fp = fingerprint(model)
-
-    async def gather() -> list[tuple[int, int]]:
-        ranges: list[tuple[int, int]] = []
-        if tracker:
-            ranges += await _tracker_ranges(tracker, fp)
-        if mdns:
-            ranges += await _mdns_ranges(mdns, fp)
-        return ranges
-
-    ranges = trio.run(gather)
+    holders = trio.run(functools.partial(find_holders, fingerprint(model), tracker=tracker, mdns=mdns,
+                                         timeout=2.0, required=False))
     weights = layer_bytes([(t.name, t.n_bytes) for t in read_meta(model).tensors], n_layer)
-    return sized_range(replicas_per_layer(ranges, n_layer), weights, memory, span)
+    speed = relative_speed(step_time(model, n_layer), holders.step_times) if holders.peers else 1.0
+    return (*sized_range(replicas_per_layer(holders.ranges, n_layer), weights, memory, span, speed), speed)
 
 
 def select(base: Path, state_dir: Path | None, listen: list[str], *, every: bool) -> list[Running]:

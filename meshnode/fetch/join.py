@@ -48,9 +48,21 @@ class Holders:
     def ranges(self) -> list[tuple[int, int]]:
         return [(p.capability.range.start, p.capability.range.end) for p in self.peers]
 
+    @property
+    def step_times(self) -> list[tuple[int, float]]:
+        """Each peer's (layers, seconds a decode step of them takes it), from what it advertises."""
+        out = []
+        for p in self.peers:
+            tps, n = p.capability.throughput.decode_tokens_per_second, p.capability.range.end - p.capability.range.start
+            if tps > 0 and n > 0:
+                out.append((n, 1.0 / tps))
+        return out
 
-async def find_holders(query: str, *, tracker: str | None, mdns: str | None, timeout: float = 5.0) -> Holders:
-    """The live peers serving the one model ``query`` names (RouteError if none, or several models)."""
+
+async def find_holders(query: str, *, tracker: str | None, mdns: str | None, timeout: float = 5.0,
+                       required: bool = True) -> Holders:
+    """The live peers serving the one model ``query`` names (RouteError if several models, or if none
+    and ``required``; else an empty ``Holders``)."""
     if not tracker and not mdns:
         raise errors.InputError("--mesh without --model needs to see the mesh: give --tracker URL and/or --mdns ADDR")
     if is_short_prefix(query):
@@ -81,6 +93,8 @@ async def find_holders(query: str, *, tracker: str | None, mdns: str | None, tim
             await trio.sleep(0.5)  # a moment for more holders to answer
         nursery.cancel_scope.cancel()
     peers = mine()
+    if not peers and not required:
+        return Holders(query, 0, query, [])
     if not peers:
         raise errors.RouteError(f"no live node serves a model named {query!r} (looked for {timeout:.0f}s)")
     ids = {p.capability.model_fingerprint for p in peers}

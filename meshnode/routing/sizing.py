@@ -1,5 +1,5 @@
-"""How many layers a joining node takes, and which: as many as its memory holds, where the mesh is
-thinnest (pure).
+"""How many layers a joining node takes, and which: as many as its memory holds and its speed merits,
+where the mesh is thinnest (pure).
 
 A range's memory is its weights (its blocks, plus the token table for a head and the lm_head for a
 tail), its KV cache and compute buffers, and the process itself. The budget (``--memory``, default
@@ -8,8 +8,10 @@ kept for the KV cache and llama.cpp's buffers (a node sizes its context to fit a
 available memory: executor/context.py), ``BASE`` for the process, the rest for weights. Among the
 windows whose weights fit, the longest is taken, placed where the mesh covers least
 (``weakest_range``'s order); so nodes with more memory take more layers, and a mesh of nodes with
-different memory splits a model in proportion to what each holds. docs/operations.md says it for
-users.
+different memory splits a model in proportion to what each holds. Where every layer is served
+already, a node's share also follows its measured speed (``relative_speed``: its step time measured on
+a few of the model's own layers, against what the mesh's nodes advertise for their ranges), so a node
+half as fast as the others takes half as many layers. docs/fetch.md says it for users.
 """
 
 from __future__ import annotations
@@ -79,13 +81,39 @@ def target_span(replicas: Sequence[int]) -> int:
     return longest or max(len(replicas) // 2, 1)
 
 
-def sized_range(replicas: Sequence[int], w: Weights, memory: int, span: int = 0) -> tuple[int, int]:
-    """The range to take: ``span`` layers (default ``target_span``), fewer if the weights of no such
-    window fit ``memory``'s weight budget, placed where the mesh covers least. InputError if not one
-    layer fits."""
+#: nodes within this factor of each other's speed count as equally fast (measurements are noisy)
+SAME_SPEED = 1.33
+
+
+def relative_speed(mine: tuple[float, float], peers: Sequence[tuple[int, float]]) -> float:
+    """How fast this node is against the mesh's nodes: for each peer ``(layers, seconds a step)``, its
+    time over what this node's ``(fixed, per layer)`` step time predicts for as many layers; the median
+    (1.0 when unknown, and when within ``SAME_SPEED`` of 1)."""
+    fixed, per = mine
+    ratios = sorted(t / (fixed + n * per) for n, t in peers if n > 0 and t > 0 and fixed + n * per > 0)
+    if not ratios:
+        return 1.0
+    r = ratios[len(ratios) // 2]
+    return 1.0 if 1 / SAME_SPEED <= r <= SAME_SPEED else r
+
+
+def speed_span(most: int, n: int, speed: float, gap: bool) -> int:
+    """Where every layer is served already, a node takes layers in proportion to its speed: ``most``
+    (half the model) times its relative speed, 1 to ``n``. A stretch nobody serves is taken whole
+    whatever the speed (a slow node is better than a gap), as far as memory allows."""
+    if gap:
+        return most
+    return max(1, min(n, round(most * speed)))
+
+
+def sized_range(replicas: Sequence[int], w: Weights, memory: int, span: int = 0,
+                speed: float = 1.0) -> tuple[int, int]:
+    """The range to take: ``span`` layers (default ``target_span``, scaled by ``speed`` where the mesh
+    has no gap), fewer if the weights of no such window fit ``memory``'s weight budget, placed where
+    the mesh covers least. InputError if not one layer fits."""
     n = len(w.per)
     budget = weights_budget(memory)
-    most = span or target_span(replicas)
+    most = span or speed_span(target_span(replicas), n, speed, gap=min(replicas, default=0) == 0)
     if not 0 < most <= n:
         raise InputError(f"a span of {most} layers does not fit a model of {n}")
     for s in range(most, 0, -1):
