@@ -25,6 +25,7 @@ from meshnode.routing.sizing import (
     Weights,
     layer_bytes,
     need,
+    peer_steps,
     relative_speed,
     sized_range,
     target_span,
@@ -66,9 +67,14 @@ def test_where_every_layer_is_served_a_node_takes_layers_in_proportion_to_its_sp
     mine = (0.001, 0.001)  # a step: 1 ms fixed, 1 ms a layer
     assert relative_speed(mine, [(10, 0.011), (5, 0.006)]) == 1.0
     assert relative_speed(mine, [(10, 0.0055), (10, 0.0056), (10, 0.011)]) == pytest.approx(0.5091, abs=1e-3)
-    assert relative_speed(mine, [(10, 0.012)]) == 1.0  # within a third: counted as equal (noise)
+    assert relative_speed(mine, [(10, 0.015)]) == 1.0  # within half: counted as equal (noise)
+    assert relative_speed(mine, [(10, 0.011), (10, 0.033)]) == 1.0  # the lower median
     assert relative_speed(mine, [(10, 0.033)]) == pytest.approx(3.0)
     assert relative_speed((0.0, 0.0), [(10, 0.01)]) == 1.0  # unknown
+    # a peer's range counts by the weight bytes a step computes: a tail's lm_head, not a head's table
+    w10 = Weights((100,) * 10, 50, 60)
+    assert peer_steps(w10, [(0, 5, 0.5), (5, 10, 0.7), (3, 12, 1.0)]) == [(560, 0.7)]  # heads only if alone
+    assert peer_steps(w10, [(0, 5, 0.5)]) == [(500, 0.5)]
     w = Weights((100,) * 10, 50, 60)
     big = 10**9
     served = [1] * 10

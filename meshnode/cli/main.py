@@ -234,7 +234,7 @@ def _fetch_share(ns: argparse.Namespace, auto: bool) -> tuple[Path, int, int]:
     from meshnode.cli.membership import node_memory, replicas_per_layer
     from meshnode.executor.probe import probe_span, step_time
     from meshnode.fetch.join import fetch_range, find_holders, manifest_for
-    from meshnode.routing.sizing import layer_bytes, relative_speed, sized_range
+    from meshnode.routing.sizing import layer_bytes, peer_steps, relative_speed, sized_range
 
     if ns.tracker:
         check_url(ns.tracker)
@@ -249,7 +249,8 @@ def _fetch_share(ns: argparse.Namespace, auto: bool) -> tuple[Path, int, int]:
         speed = 1.0
         if b > a:
             probe_path, _ = trio.run(fetch_range, holders, a, b)
-            speed = relative_speed(step_time(probe_path, holders.n_layer), holders.step_times)
+            speed = relative_speed(step_time(probe_path, holders.n_layer, list(weights.per)),
+                                   peer_steps(weights, holders.step_times))
         start, end = sized_range(replicas_per_layer(holders.ranges, holders.n_layer), weights, memory, ns.span or 0,
                                  speed)
         print(f"meshnode: --auto chose layers {start}:{end} (the weakest-covered range that "

@@ -77,7 +77,7 @@ def auto_range(model: Path, span: int, *, tracker: str | None, mdns: str | None,
     from meshnode.executor.probe import step_time
     from meshnode.fetch.join import find_holders
     from meshnode.gguf.meta import read_meta
-    from meshnode.routing.sizing import layer_bytes, relative_speed, sized_range
+    from meshnode.routing.sizing import layer_bytes, peer_steps, relative_speed, sized_range
 
     if not tracker and not mdns:
         raise errors.InputError("--auto needs to see the mesh: give --tracker URL and/or --mdns ADDR")
@@ -85,7 +85,8 @@ def auto_range(model: Path, span: int, *, tracker: str | None, mdns: str | None,
     holders = trio.run(functools.partial(find_holders, fingerprint(model), tracker=tracker, mdns=mdns,
                                          timeout=2.0, required=False))
     weights = layer_bytes([(t.name, t.n_bytes) for t in read_meta(model).tensors], n_layer)
-    speed = relative_speed(step_time(model, n_layer), holders.step_times) if holders.peers else 1.0
+    speed = (relative_speed(step_time(model, n_layer, list(weights.per)), peer_steps(weights, holders.step_times))
+             if holders.peers else 1.0)
     return (*sized_range(replicas_per_layer(holders.ranges, n_layer), weights, memory, span, speed), speed)
 
 

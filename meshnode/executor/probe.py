@@ -37,17 +37,19 @@ def _decode_seconds(model: Path, start: int, end: int, root: Path) -> float:
     return 1.0 / tps if tps > 0 else 0.0
 
 
-def step_time(model: Path, n_layer: int) -> tuple[float, float]:
-    """(fixed seconds, seconds per layer) of a decode step of ``model`` on this machine, from timing one
-    layer and ``probe_span``'s few: a step's fixed cost and its per-layer cost told apart, so a range of
-    any length can be compared with what a peer advertises for its own. (0, 0) if it cannot say."""
+def step_time(model: Path, n_layer: int, layer_bytes: list[int]) -> tuple[float, float]:
+    """(fixed seconds, seconds per weight byte) of a decode step of ``model`` on this machine, from
+    timing one layer and ``probe_span``'s few (``layer_bytes``: each layer's weight bytes): a step's
+    fixed cost and its cost per byte told apart, so a range of any size can be compared with what a
+    peer advertises for its own. (0, 0) if it cannot say."""
     start, end = probe_span(n_layer)
     if end - start < 2:
         return 0.0, 0.0
     with tempfile.TemporaryDirectory(prefix="meshnode-probe-") as tmp:
         one = _decode_seconds(model, start, start + 1, Path(tmp))
         many = _decode_seconds(model, start, end, Path(tmp))
-    if one <= 0 or many <= 0:
+    first, rest = layer_bytes[start], sum(layer_bytes[start + 1 : end])
+    if one <= 0 or many <= 0 or first <= 0 or rest <= 0:
         return 0.0, 0.0
-    per = max((many - one) / (end - start - 1), many / (end - start) / 10)  # noise: never a negative slope
-    return max(one - per, 0.0), per
+    per = max((many - one) / rest, many / (first + rest) / 10)  # noise: never a negative slope
+    return max(one - per * first, 0.0), per

@@ -49,13 +49,13 @@ class Holders:
         return [(p.capability.range.start, p.capability.range.end) for p in self.peers]
 
     @property
-    def step_times(self) -> list[tuple[int, float]]:
-        """Each peer's (layers, seconds a decode step of them takes it), from what it advertises."""
+    def step_times(self) -> list[tuple[int, int, float]]:
+        """Each peer's (start, end, seconds a decode step of its range takes it), from what it advertises."""
         out = []
         for p in self.peers:
-            tps, n = p.capability.throughput.decode_tokens_per_second, p.capability.range.end - p.capability.range.start
-            if tps > 0 and n > 0:
-                out.append((n, 1.0 / tps))
+            tps, r = p.capability.throughput.decode_tokens_per_second, p.capability.range
+            if tps > 0 and r.end > r.start:
+                out.append((r.start, r.end, 1.0 / tps))
         return out
 
 

@@ -81,20 +81,37 @@ def target_span(replicas: Sequence[int]) -> int:
     return longest or max(len(replicas) // 2, 1)
 
 
-#: nodes within this factor of each other's speed count as equally fast (measurements are noisy)
-SAME_SPEED = 1.33
+#: nodes within this factor of each other's speed count as equally fast (measurements are noisy: a node
+#: measures its range while its neighbours start, and a head's step also looks its token rows up)
+SAME_SPEED = 1.5
 
 
 def relative_speed(mine: tuple[float, float], peers: Sequence[tuple[int, float]]) -> float:
-    """How fast this node is against the mesh's nodes: for each peer ``(layers, seconds a step)``, its
-    time over what this node's ``(fixed, per layer)`` step time predicts for as many layers; the median
-    (1.0 when unknown, and when within ``SAME_SPEED`` of 1)."""
-    fixed, per = mine
-    ratios = sorted(t / (fixed + n * per) for n, t in peers if n > 0 and t > 0 and fixed + n * per > 0)
+    """How fast this node is against the mesh's nodes: for each peer ``(weight bytes a decode step of
+    its range computes, seconds it takes)``, its time over what this node's ``(fixed seconds, seconds
+    per weight byte)`` predicts for that many bytes; the median (1.0 when unknown, and when within
+    ``SAME_SPEED`` of 1)."""
+    fixed, per_byte = mine
+    ratios = sorted(t / (fixed + n * per_byte) for n, t in peers if n > 0 and t > 0 and fixed + n * per_byte > 0)
     if not ratios:
         return 1.0
-    r = ratios[len(ratios) // 2]
+    r = ratios[(len(ratios) - 1) // 2]  # the lower median: a peer that looks slow is never the only witness
     return 1.0 if 1 / SAME_SPEED <= r <= SAME_SPEED else r
+
+
+def compute_bytes(w: Weights, start: int, end: int) -> int:
+    """Weight bytes a decode step of [start, end) streams through: its blocks, and a tail's lm_head (a
+    head's token table is not: it looks one row up)."""
+    return sum(w.per[start:end]) + (w.tail if end == len(w.per) else 0)
+
+
+def peer_steps(w: Weights, peers: Sequence[tuple[int, int, float]]) -> list[tuple[int, float]]:
+    """``(start, end, seconds a step)`` of peers -> ``(bytes a step computes, seconds)`` for
+    ``relative_speed``; heads only when there is no other peer (a head's step also looks its token rows
+    up, which the probe, a middle range, does not)."""
+    n = len(w.per)
+    fair = [(a, b, t) for a, b, t in peers if 0 < a < b <= n] or list(peers)  # heads also look rows up: last
+    return [(compute_bytes(w, a, b), t) for a, b, t in fair if 0 <= a < b <= n]
 
 
 def speed_span(most: int, n: int, speed: float, gap: bool) -> int:
