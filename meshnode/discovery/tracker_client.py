@@ -48,7 +48,8 @@ async def run_heartbeat(url: str, ident: NodeIdentity, capability: Callable[[], 
                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     def sealed(leaving: bool = False) -> pb.SignedEnvelope:
         # time in ns as seq: strictly increasing, across restarts too
-        return advertise(ident, capability(), health(), seq=time.time_ns(), now=int(time.time()), leaving=leaving)
+        return advertise(ident, capability(), health(), seq=time.time_ns(), now=int(time.time()), leaving=leaving,
+                         ttl=max(int(3 * interval), 30))  # three heartbeats missed: gone from every directory
 
     await register(url, sealed())
     task_status.started()

@@ -11,8 +11,10 @@ ADVERT_TYPE = "meshnode.v1.Advertisement"
 
 
 def advertise(ident: NodeIdentity, cap: pb.Capability, health: pb.HealthReply, *, seq: int, now: int,
-              leaving: bool = False) -> pb.SignedEnvelope:
-    ad = pb.Advertisement(capability=cap, seq=seq, issued_at_unix=now, health=health, leaving=leaving)
+              leaving: bool = False, ttl: int = 60) -> pb.SignedEnvelope:
+    """The node's signed directory record, kept by stores until ``now + ttl`` (docs/directory.md)."""
+    ad = pb.Advertisement(capability=cap, seq=seq, issued_at_unix=now, health=health, leaving=leaving,
+                          expires_at_unix=now + ttl)
     return seal(ident, ADVERT_TYPE, ad.SerializeToString())
 
 

@@ -620,12 +620,15 @@ class Advertisement(_message.Message):
     ISSUED_AT_UNIX_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
     LEAVING_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_UNIX_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """strictly increasing per node (replay protection)"""
     issued_at_unix: _builtins.int
     """must be within the tracker's clock skew of now"""
     leaving: _builtins.bool
     """the node is leaving: remove it now"""
+    expires_at_unix: _builtins.int
+    """a directory keeps it until then, wherever it got it (0: issued_at + the"""
     @_builtins.property
     def capability(self) -> Global___Capability:
         """with its own signed attestation"""
@@ -642,14 +645,39 @@ class Advertisement(_message.Message):
         issued_at_unix: _builtins.int = ...,
         health: Global___HealthReply | None = ...,
         leaving: _builtins.bool = ...,
+        expires_at_unix: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "health", b"health"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "health", b"health", "issued_at_unix", b"issued_at_unix", "leaving", b"leaving", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "expires_at_unix", b"expires_at_unix", "health", b"health", "issued_at_unix", b"issued_at_unix", "leaving", b"leaving", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Advertisement: _TypeAlias = Advertisement  # noqa: Y015
+
+@_typing.final
+class RecordBatch(_message.Message):
+    """Records a directory holds, as one message (tracker sync and peer exchange: docs/directory.md)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___SignedEnvelope]:
+        """each a SignedEnvelope(Advertisement)"""
+
+    def __init__(
+        self,
+        *,
+        records: _abc.Iterable[Global___SignedEnvelope] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordBatch: _TypeAlias = RecordBatch  # noqa: Y015
 
 @_typing.final
 class CapabilityRequest(_message.Message):
