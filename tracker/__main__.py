@@ -24,6 +24,7 @@ from meshnode.transport.server import split_hostport
 from tracker.app import Tracker
 from tracker.evidence import Verifier
 from tracker.limits import Bounds
+from tracker.peering import Peering
 from tracker.probe import run_prober
 from tracker.registry import Registry
 
@@ -67,6 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "process (repeat for several; without one, no report is verified and nobody is marked)")
     ap.add_argument("--verify-timeout", type=float, default=600.0, metavar="SECONDS",
                     help="seconds one verification may take (default 600); past them it is killed, nothing marked")
+    ap.add_argument("--peer", action="append", default=[], metavar="URL",
+                    help="another tracker to sync records with (repeat): each record accepted here is pushed to "
+                         "it, and the two reconcile by digests every --sync-every seconds (docs/directory.md)")
+    ap.add_argument("--sync-every", type=float, default=10.0, metavar="SECONDS",
+                    help="seconds between two reconciles with each peer (default 10)")
     add_tls_flags(ap, "the tracker")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -84,18 +90,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         bounds = dataclasses.replace(bounds, evidence_per_minute=ns.evidence_rate,
                                      evidence_burst=min(d.evidence_burst, max(1.0, ns.evidence_rate)))
         models = verify_models(ns.verify_model)
+        if ns.sync_every <= 0:
+            raise errors.InputError("--sync-every must be positive")
+        from meshnode.cli.flags import check_url
+
+        for url in ns.peer:
+            check_url(url, "--peer")
     except (errors.InputError, errors.ModelError) as e:
         print(f"meshnode-tracker: error: {e}", file=sys.stderr)
         return 2
     registry = Registry(db, ns.ttl, bounds=bounds)
     verifier = Verifier(registry, models, db.parent / "evidence", timeout=ns.verify_timeout)
     tracker = Tracker(registry, verifier)
+    peering = tracker.peering = Peering(list(ns.peer), tracker.accept_from_peer, sync_every=ns.sync_every)
 
     async def run() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(run_prober, registry)  # tracker/probe.py: liveness and live counters
                 await nursery.start(verifier.serve)  # tracker/evidence.py: reports that a hop lied
+                await nursery.start(peering.run)  # tracker/peering.py: the peers' records
                 bound = await nursery.start(functools.partial(serve_asgi, tracker.asgi(), host, port, tls=tls))
                 print(f"meshnode-tracker: status page {base_url(host, bound, tls)}/ listening on {host}:{bound}"
                       f"{pin_note(tls, 'nodes use --tracker', host, bound)}", flush=True)

@@ -5,6 +5,7 @@
     GET  /api/lookup?model=NAME_OR_FINGERPRINT   the live nodes of one model (dead ones left out; misbehaving
                          ones flagged and last)
     POST /api/evidence   body: a SignedEnvelope(Evidence): a report that a hop lied (tracker/evidence.py)
+    POST /api/sync/...   records from and to peer trackers (``--peer``; tracker/peering.py)
     GET  /api/evidence/ID   its verdict (ID: the sha256 of the body)
     GET  /               the status page (auto-refreshing, reads /api/status)
 
@@ -40,6 +41,7 @@ from tracker import views
 from tracker.evidence import Verifier
 from tracker.limits import RateTable
 from tracker.page import PAGE
+from tracker.peering import MAX_SYNC_BODY, Peering
 from tracker.registry import Registry
 
 log = logging.getLogger("meshnode.tracker")
@@ -60,6 +62,8 @@ class Tracker:
     verifier: Verifier | None = None
     #: evidence per source address (tracker/limits.py)
     evidence_rates: RateTable = field(init=False)
+    #: peer trackers this one syncs with (tracker/peering.py); None: none
+    peering: Peering | None = None
 
     def __post_init__(self) -> None:
         if self.verifier is None:
@@ -85,6 +89,8 @@ class Tracker:
             return self.register(await read_body(req, MAX_REGISTER_BODY), source)
         if route == ("POST", "/api/evidence"):
             return await self.evidence(req)
+        if req.method == "POST" and req.url.path.startswith("/api/sync/"):
+            return await self.sync(req)
         if req.method == "GET" and req.url.path.startswith("/api/evidence/"):
             assert self.verifier is not None
             status, doc = self.verifier.result(req.url.path.removeprefix("/api/evidence/"))
@@ -92,7 +98,9 @@ class Tracker:
         if route == ("GET", "/api/status"):
             now = time.time()
             doc = views.status(views.current(self.registry, now, full=views.MAX_NODES_SHOWN))
-            return json_response({**doc, "misbehaving": views.marks(self.registry, now)})
+            peers = self.peering.view() if self.peering is not None else []
+            return json_response({**doc, "misbehaving": views.marks(self.registry, now), "peers": peers,
+                                  "records": len(self.peering.mirror.records) if self.peering else None})
         if route == ("GET", "/api/lookup"):
             query = req.query_params.get("model", "")
             found = views.current(self.registry, time.time(), query, full=views.MAX_LOOKUP)
@@ -117,17 +125,43 @@ class Tracker:
         status, doc = await self.verifier.submit(await read_body(req, MAX_EVIDENCE_BYTES, EVIDENCE_BODY_SECONDS))
         return json_response(doc, status)
 
-    def register(self, body: bytes, source: str = "") -> Response:
+    async def sync(self, req: Request) -> Response:
+        """A peer tracker's sync request (tracker/peering.py); 404 when this tracker has no peering."""
+        if self.peering is None:
+            return error_response(404, "NOT_FOUND", "this tracker syncs with no peers (--peer)")
+        source = req.client.host if req.client is not None else ""
+        path = req.url.path.removeprefix("/api/sync/")
+        try:
+            body = await read_body(req, MAX_SYNC_BODY)
+            if path == "digest":
+                return json_response(self.peering.digest_answer(body))
+            if path == "fetch":
+                return Response(self.peering.fetch_answer(body), media_type="application/x-protobuf")
+            if path == "records":
+                return json_response(self.peering.records_answer(body, f"peer {source}"))
+        except errors.MeshnodeError as e:
+            return error_response(400, e.code, e.message)
+        return error_response(404, "NOT_FOUND", f"no route POST {req.url.path}")
+
+    def accept_from_peer(self, env: pb.SignedEnvelope, source: str) -> bool:
+        """A record a peer tracker sent: the registration's checks; kept if they hold (bounded as a node's)."""
+        return self.register(env.SerializeToString(), source, from_peer=True).status_code == 200
+
+    def register(self, body: bytes, source: str = "", *, from_peer: bool = False) -> Response:
         now = time.time()
         try:
             env = pb.SignedEnvelope.FromString(body)
             node_id = pb.Advertisement.FromString(env.payload).capability.node_id
             ad = verify_advert(env, now=int(now), last_seq=self.registry.last_seq(node_id))
         except errors.MeshnodeError as e:
-            log.warning("refused a registration: %s", e)
+            if not from_peer:  # a peer's stale copies are routine: counted there, not logged
+                log.warning("refused a registration: %s", e)
             return error_response(403, e.code, e.message)
         except Exception as e:  # protobuf DecodeError on garbage
             return error_response(400, "PAYLOAD_CORRUPT", f"not a signed advertisement: {e}")
+        if from_peer:  # bounded per the node's own address, as the tracker it registered with bounded it
+            eps = ad.capability.endpoints
+            source = eps[0].rpartition(":")[0] if eps else source
         slot = self.registry.place(node_id, source, now)
         if not slot.admit:
             log.warning("refused node %s from %s: %s", node_id, source, slot.why)
@@ -136,4 +170,6 @@ class Tracker:
             log.info("node %s (never reached by a probe) makes room for %s", slot.evict, node_id)
             self.registry.remove(slot.evict)
         self.registry.register(env, ad, now, source)
+        if self.peering is not None:
+            self.peering.learned(env, now, from_peer=from_peer)
         return json_response({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})

@@ -1,0 +1,121 @@
+"""Trackers that sync (``meshnode-tracker --peer``, tracker/peering.py): a record registered with one
+tracker is found on the others; a forged one a peer sends is refused; with a tracker gone the others
+still sync; the status shows the peers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshnode.identity import NodeIdentity
+from meshnode.identity.advert import advertise
+from meshnode.proto import node_pb2 as pb
+from tests.test_tracker import FP, _cap, _post
+
+WAIT = 30.0
+
+
+def _start(db: Path, *peers: str) -> tuple[subprocess.Popen[str], str]:
+    args = [a for p in peers for a in ("--peer", p)]
+    proc = subprocess.Popen([sys.executable, "-m", "tracker", "--listen", "127.0.0.1:0", "--db", str(db),
+                             "--ttl", "60", "--sync-every", "1", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    m = re.search(r"listening on (\S+)", proc.stdout.readline())
+    assert m
+    return proc, f"http://{m.group(1)}"
+
+
+@pytest.fixture
+def trio_of_trackers(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
+    a = _start(tmp_path / "a.sqlite")
+    b = _start(tmp_path / "b.sqlite", a[1])
+    c = _start(tmp_path / "c.sqlite", a[1], b[1])
+    yield [a, b, c]
+    for p, _ in (a, b, c):
+        if p.poll() is None:
+            p.terminate()
+            p.wait(10)
+        if p.stdout:
+            p.stdout.close()
+
+
+def _ids(url: str) -> set[str]:
+    with urllib.request.urlopen(f"{url}/api/lookup?model={FP}", timeout=5) as r:
+        return {n["node_id"] for n in json.loads(r.read())["nodes"]}
+
+
+def _until(pred, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {WAIT:.0f}s: {what}")
+
+
+def _register(url: str, me: NodeIdentity, seq: int = 1) -> None:
+    code, doc = _post(url + "/api/register", advertise(me, _cap(me), pb.HealthReply(), seq=seq,
+                                                       now=int(time.time())).SerializeToString())
+    assert code == 200, doc
+
+
+def test_a_record_registered_with_one_tracker_is_found_on_every_other(trio_of_trackers) -> None:
+    (pa, a), (_, b), (_, c) = trio_of_trackers
+    nodes = [NodeIdentity.generate() for _ in range(5)]
+    for n in nodes[:3]:
+        _register(a, n)
+    _register(c, nodes[3])
+    want = {n.node_id for n in nodes[:4]}
+    for url in (a, b, c):
+        _until(lambda url=url: _ids(url) >= want, f"{url} holds every record")
+    # a forged record sent by a "peer" is refused and listed nowhere
+    me, other = nodes[4], NodeIdentity.generate()
+    stolen = advertise(other, _cap(me), pb.HealthReply(), seq=9, now=int(time.time()))
+    req = urllib.request.Request(b + "/api/sync/records", data=pb.RecordBatch(records=[stolen]).SerializeToString(),
+                                 headers={"Content-Type": "application/x-protobuf"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert json.loads(r.read()) == {"kept": 0, "refused": {"refused": 1}}
+    assert me.node_id not in _ids(b)
+    # with the first tracker gone, the two others still sync
+    pa.terminate()
+    pa.wait(10)
+    late = NodeIdentity.generate()
+    _register(c, late)
+    _until(lambda: late.node_id in _ids(b), "b learns from c with a gone")
+    with urllib.request.urlopen(f"{c}/api/status", timeout=5) as r:
+        status = json.loads(r.read())
+    peers = {p["url"]: p for p in status["peers"]}
+    assert set(peers) == {a, b}
+    assert peers[b]["ok"]
+    assert peers[b]["last_sync_seconds_ago"] is not None
+    assert not peers[a]["ok"]  # gone: its last error is shown
+    assert status["records"] >= 5
+
+
+def test_sync_endpoints_refuse_bad_bodies(tmp_path: Path) -> None:
+    proc, url = _start(tmp_path / "t.sqlite", "http://127.0.0.1:9")  # a peer that is not there
+    try:
+        bad_hex = json.dumps({"digests": ["zz"] * 256}).encode()
+        for path, body in (("digest", b"{}"), ("digest", b"not json"), ("fetch", b'{"ids": 5}'),
+                           ("records", b"\xff\xfe garbage"), ("digest", bad_hex)):
+            req = urllib.request.Request(f"{url}/api/sync/{path}", data=body)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=5)
+            assert e.value.code == 400
+            e.value.close()
+        with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
+            assert r.status == 200  # and it keeps serving
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
