@@ -76,6 +76,8 @@ def load(path: Path) -> dict[str, Any]:
         want = KEYS[key][0]
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             doc[key] = float(value)
+        elif key == "tracker" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            continue  # several trackers
         elif not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise InputError(f"config {path}: {key} must be {want.__name__}, not {type(value).__name__}")
     return doc
@@ -87,4 +89,6 @@ def resolve(flags: dict[str, Any], file: dict[str, Any]) -> dict[str, Any]:
     for key, (_, default) in KEYS.items():
         flag = flags.get(key)
         out[key] = flag if flag is not None else file.get(key, default)
+    if isinstance(out.get("tracker"), str):  # one tracker or several: a list either way
+        out["tracker"] = [out["tracker"]]
     return out

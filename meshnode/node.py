@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from meshnode.capabilities import capability, hardware, measure_throughput
-from meshnode.discovery.tracker_client import run_heartbeat
+from meshnode.discovery.tracker_client import run_heartbeat, urls_of
 from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.fetch.limits import DEFAULT_RATE, ShareLimits
 from meshnode.gguf.cutchild import cut_in_child
@@ -57,8 +57,8 @@ class NodeConfig:
     state_dir: Path | None = None
     #: advertise and browse over mDNS on this interface address (None: no mDNS)
     mdns_interface: str | None = None
-    #: register with this tracker (http://HOST:PORT) and heartbeat (None: no tracker)
-    tracker: str | None = None
+    #: register with these trackers (http://HOST:PORT; one URL or several) and heartbeat to each (None: none)
+    tracker: str | tuple[str, ...] | None = None
     #: seconds between tracker heartbeats
     heartbeat: float = 10.0
     #: seconds live sessions get to finish when the node leaves
@@ -236,9 +236,10 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
         advertised = f"{config.mdns_interface}:{port}" if host in ("0.0.0.0", "::") else addr
         await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
                                               node_id=ident.node_id, endpoint=advertised, aio=aio.run))
-    if config.tracker:
-        await nursery.start(functools.partial(run_heartbeat, config.tracker, ident, lambda: sessions.capability,
-                                              sessions.health, interval=config.heartbeat))
+    urls = urls_of(config.tracker)
+    for url in urls:  # one tracker must take the first registration; of several, any may be down
+        await nursery.start(functools.partial(run_heartbeat, url, ident, lambda: sessions.capability,
+                                              sessions.health, interval=config.heartbeat, required=len(urls) == 1))
 
 
 async def _sweep_detached(host: SessionHost, aio: AioThread, every: float = 1.0) -> None:

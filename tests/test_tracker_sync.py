@@ -119,3 +119,44 @@ def test_sync_endpoints_refuse_bad_bodies(tmp_path: Path) -> None:
         proc.wait(10)
         if proc.stdout:
             proc.stdout.close()
+
+
+def test_nodes_publish_to_every_tracker_and_clients_need_any_one(model: Path, reference, tmp_path: Path) -> None:
+    from meshnode.gguf.model import fingerprint
+    from meshnode.runtime.launch import start_node
+    from tests.conftest import PROMPT, cli
+
+    (p1, t1), (p2, t2) = _start(tmp_path / "1.sqlite"), _start(tmp_path / "2.sqlite")
+    dead = "http://127.0.0.1:9"  # nothing listens there
+    trackers = ("--tracker", t1, "--tracker", t2, "--tracker", dead)
+    nodes = []
+    try:
+        nodes = [start_node(model, layers, command="join", extra=(*trackers, "--heartbeat", "1"))
+                 for layers in ("0:15", "15:30")]
+        fp = fingerprint(model)
+
+        def listed(url: str) -> int:
+            with urllib.request.urlopen(f"{url}/api/lookup?model={fp}", timeout=5) as r:
+                return len(json.loads(r.read())["nodes"])
+
+        _until(lambda: listed(t1) == 2 and listed(t2) == 2, "both trackers list both nodes")
+        p1.terminate()
+        p1.wait(10)
+        done = cli("generate", "--mesh", fp[:16], "--tracker", dead, "--tracker", t1, "--tracker", t2,
+                   "--prompt", PROMPT, "--max-tokens", "8", "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["tokens"] == reference.tokens[:8]
+        p2.terminate()
+        p2.wait(10)
+        none = cli("generate", "--mesh", fp[:16], "--tracker", t1, "--tracker", t2, "--prompt", PROMPT,
+                   "--max-tokens", "8", "--discover-timeout", "2")
+        assert none.returncode != 0  # every tracker gone (and no mDNS): nothing to find the mesh with
+    finally:
+        for n in nodes:
+            n.stop()
+        for p in (p1, p2):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+            if p.stdout:
+                p.stdout.close()

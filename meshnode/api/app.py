@@ -37,6 +37,7 @@ from meshnode import errors
 from meshnode.api import schema
 from meshnode.api.mesh import MeshView
 from meshnode.audit.policy import Ledger
+from meshnode.discovery.tracker_client import urls_of
 from meshnode.http.serve import read_body
 from meshnode.http.tls import TLSFiles
 from meshnode.identity import NodeIdentity
@@ -162,7 +163,7 @@ class Gateway:
                              sampling=job.sampling, stop=job.stop, step_timeout=self.config.step_timeout,
                              draft=self.config.draft if job.draft is None else "" if job.draft == "none" else job.draft,
                              draft_max=job.draft_max or self.config.draft_max,
-                             report_to=(self.mesh.source.tracker,) if self.mesh.source.tracker else ())
+                             report_to=tuple(urls_of(self.mesh.source.tracker)))
         with send, scope:
             try:
                 found = await self.mesh.route(job.model)

@@ -22,7 +22,7 @@ import trio
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
-from meshnode.discovery.tracker_client import lookup_all
+from meshnode.discovery.tracker_client import lookup_all_any
 from meshnode.identity.attest import check_attested
 from meshnode.session.mesh import Discovered, choose_among, covered, matches
 from meshnode.transport.aiothread import AioRun
@@ -36,7 +36,8 @@ class MeshSource:
     #: static peers (HOST:PORT), in any order: every one is a candidate hop
     peers: tuple[str, ...] = ()
     #: a tracker URL to read every model's nodes from
-    tracker: str | None = None
+    #: one tracker's URL, or several (any one answering is enough)
+    tracker: str | tuple[str, ...] | None = None
     #: an interface address to browse mDNS on
     mdns: str | None = None
     #: seconds between re-reads of the static peers and the tracker
@@ -102,7 +103,7 @@ class MeshView:
     async def _read_tracker(self) -> None:
         assert self.source.tracker
         try:
-            entries = await lookup_all(self.source.tracker)
+            entries = await lookup_all_any(self.source.tracker)
         except errors.MeshnodeError as e:
             log.warning("tracker %s: %s", self.source.tracker, e)
             return

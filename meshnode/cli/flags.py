@@ -39,8 +39,8 @@ def check_endpoints(ns: argparse.Namespace) -> None:
     for flag, values in (("--peer", ns.peer), ("--spare", ns.spare)):
         for v in values:
             split_hostport(v, flag)
-    if ns.tracker:
-        check_url(ns.tracker)
+    for url in ns.tracker or ():
+        check_url(url)
 
 
 def check_url(url: str, flag: str = "--tracker") -> None:

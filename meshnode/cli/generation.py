@@ -54,7 +54,8 @@ class Runner:
     #: a model to find a route for (``--mesh``), with ``mdns``/``tracker``
     mesh: str | None
     mdns: str | None
-    tracker: str | None
+    #: the trackers given (--tracker, repeatable): none, one or several
+    tracker: list[str] | None
     discover_timeout: float
     #: the whole model here (``--model``, or the default model): used when there is no route
     model: str | None
@@ -119,7 +120,7 @@ class Runner:
         cfg = GenerateConfig(prompt=prompt, messages=messages, max_tokens=self.max_tokens, sampling=sampling,
                              stop=self.stop, wire_dtype=self.wire_dtype, rejoin_wait=self.rejoin_wait,
                              step_timeout=self.step_timeout, audit=self.audit,
-                             report_to=(self.tracker,) if self.tracker else (), draft=self.draft,
+                             report_to=tuple(self.tracker or ()), draft=self.draft,
                              draft_max=self.draft_max, model_draft=self.model_draft)
         check_generate(cfg)
         return cfg

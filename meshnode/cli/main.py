@@ -236,8 +236,8 @@ def _fetch_share(ns: argparse.Namespace, auto: bool) -> tuple[Path, int, int]:
     from meshnode.fetch.join import fetch_range, find_holders, manifest_for
     from meshnode.routing.sizing import layer_bytes, peer_steps, relative_speed, sized_range
 
-    if ns.tracker:
-        check_url(ns.tracker)
+    for url in ns.tracker or ():
+        check_url(url)
     holders = trio.run(functools.partial(find_holders, ns.mesh, tracker=ns.tracker, mdns=ns.mdns))
     if auto:
         manifest = trio.run(manifest_for, holders)
@@ -276,8 +276,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.node import NodeConfig, run_node
 
-    if ns.tracker:
-        check_url(ns.tracker)
+    for url in ns.tracker or ():
+        check_url(url)
     auto = getattr(ns, "join", False) and ns.auto
     if auto and ns.layers:
         raise errors.InputError("give --layers or --auto, not both")
@@ -304,7 +304,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     cfg = NodeConfig(model=model, start=start, end=end, share_rate=rate,
                      cache_limit=_gb(ns.cache_limit, "--cache-limit"), listen=ns.listen, executor=exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
-                     tracker=ns.tracker, heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
+                     tracker=tuple(ns.tracker or ()), heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
                      metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure,
                      limits=_hop_limits(ns), api_tls=bool(ns.api_tls))
     _configure_security(ns)
@@ -530,7 +530,9 @@ def cmd_api(ns: argparse.Namespace) -> int:
                               deadline=ns.request_timeout, draft="" if ns.draft == "none" else ns.draft,
                               draft_max=ns.draft_max)
     check_exposure(cfg)
-    source = MeshSource(peers=tuple(ns.peer), tracker=ns.tracker, mdns=ns.mdns)
+    for url in ns.tracker or ():
+        check_url(url)
+    source = MeshSource(peers=tuple(ns.peer), tracker=tuple(ns.tracker or ()), mdns=ns.mdns)
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -572,8 +574,9 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
                    help="find a route for this model: its file name (SmolLM2-135M-Instruct), general.name, "
                         "or its model id (the sha256 of its manifest) / a prefix of 8+ hex digits; any case")
     p.add_argument("--mdns", metavar="ADDR", help="with --mesh: browse mDNS on this interface address")
-    p.add_argument("--tracker", metavar="URL",
-                   help="with --mesh: look the model up on this tracker; a hop caught lying is reported there")
+    p.add_argument("--tracker", metavar="URL", action="append",
+                   help="with --mesh: look the model up on this tracker (repeat: all are asked at once, any one "
+                        "answering is enough); a hop caught lying is reported to each")
     p.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
     p.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
                    help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
@@ -700,7 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--state-dir", help="where the node key and lock live (default: ~/.local/state/meshnode, "
                                            "or its nodes/HOST_PORT for a fixed --listen port)")
         p.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
-        p.add_argument("--tracker", metavar="URL", help="register with this tracker (http://HOST:PORT)")
+        p.add_argument("--tracker", metavar="URL", action="append",
+                       help="register with this tracker (http://HOST:PORT; repeat: publish to each)")
         p.add_argument("--heartbeat", type=float, help="seconds between tracker heartbeats (default 10)")
         p.add_argument("--drain-timeout", type=float, help="seconds live sessions get when leaving (default 30)")
         p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics")
@@ -786,7 +790,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (default 127.0.0.1:8080)")
     api.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                      help="a node to route through (repeat; any order: every one is a candidate hop)")
-    api.add_argument("--tracker", metavar="URL", help="find the mesh's nodes on this tracker")
+    api.add_argument("--tracker", metavar="URL", action="append",
+                     help="find the mesh's nodes on this tracker (repeat: all asked, any one is enough)")
     api.add_argument("--mdns", metavar="ADDR", help="find the mesh's nodes over mDNS on this interface address")
     api.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' (required off loopback; or $MESHNODE_API_KEY)")

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import trio
 
 from meshnode import errors
-from meshnode.discovery.mdns import PeerTable, run_mdns
+from meshnode.discovery.tracker_client import urls_of
 from meshnode.gguf.model import fingerprint, inspect_model
 from meshnode.http.client import request, tracker_url
 from meshnode.routing.assign import coverage
@@ -28,33 +27,6 @@ from meshnode.transport.client import get_capability, health
 def replicas_per_layer(ranges: list[tuple[int, int]], n_layer: int) -> list[int]:
     """How many of ``ranges`` serve each layer. Pure."""
     return [len(ids) for ids in coverage([("", a, b) for a, b in ranges], n_layer)]
-
-
-async def _tracker_ranges(url: str, fp: str) -> list[tuple[int, int]]:
-    status, body = await request(tracker_url(url, "/api/lookup?" + urllib.parse.urlencode({"model": fp})))
-    if status != 200:
-        raise errors.PeerError(f"tracker lookup failed with HTTP {status}", hop=url)
-    with _garbled(url):
-        return [(int(n["range"][0]), int(n["range"][1])) for n in json.loads(body)["nodes"] if n.get("alive")]
-
-
-@contextlib.contextmanager
-def _garbled(url: str) -> Iterator[None]:
-    """A tracker answer that is not meshnode's JSON is the tracker's fault: PeerError naming it."""
-    try:
-        yield
-    except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise errors.PeerError(f"the tracker's answer is not meshnode's JSON: {e!r}", hop=url) from None
-
-
-async def _mdns_ranges(interface: str, fp: str, wait: float = 2.0) -> list[tuple[int, int]]:
-    table = PeerTable()
-    async with open_aio_thread() as aio, trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(run_mdns, table, interface=interface, aio=aio.run))
-        await trio.sleep(wait)
-        nursery.cancel_scope.cancel()
-    return [(p.capability.range.start, p.capability.range.end) for p in table.live().values()
-            if p.capability.model_fingerprint == fp]
 
 
 def node_memory(memory_gb: float | None) -> int:
@@ -182,11 +154,23 @@ def status(nodes: list[Running]) -> dict[str, Any]:
         async with open_aio_thread() as aio:
             rows = [await one(r, aio) for r in nodes]
         peers: list[dict[str, Any]] = []
-        for tracker, model in sorted({(n["tracker"], n["model"]) for n in rows if n.get("tracker")}):
-            peers += await _tracker_peers(tracker, model)
+        for tracker, model in sorted({(url, n["model"]) for n in rows for url in urls_of(n.get("tracker"))}):
+            try:
+                peers += await _tracker_peers(tracker, model)
+            except errors.MeshnodeError:
+                continue  # one tracker down: the others still say
         return {"nodes": rows, "peers": peers}
 
     return trio.run(gather)
+
+
+@contextlib.contextmanager
+def _garbled(url: str) -> Iterator[None]:
+    """A tracker answer that is not meshnode's JSON is the tracker's fault: PeerError naming it."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise errors.PeerError(f"the tracker's answer is not meshnode's JSON: {e!r}", hop=url) from None
 
 
 async def _tracker_peers(tracker: str, model: str) -> list[dict[str, Any]]:

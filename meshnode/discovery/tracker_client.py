@@ -16,8 +16,8 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import trio
 from google.protobuf.message import DecodeError
@@ -30,6 +30,7 @@ from meshnode.identity.advert import advertise, verify_advert
 from meshnode.proto import node_pb2 as pb
 
 log = logging.getLogger("meshnode.tracker")
+T = TypeVar("T")
 
 
 async def register(url: str, env: pb.SignedEnvelope) -> None:
@@ -44,14 +45,21 @@ async def register(url: str, env: pb.SignedEnvelope) -> None:
 
 
 async def run_heartbeat(url: str, ident: NodeIdentity, capability: Callable[[], pb.Capability],
-                        health: Callable[[], pb.HealthReply], *, interval: float = 10.0,
+                        health: Callable[[], pb.HealthReply], *, interval: float = 10.0, required: bool = True,
                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Register, then heartbeat every ``interval``; leaving, deregister. ``required``: the first
+    registration must succeed (one tracker); else (one of several) a failure is logged and retried."""
     def sealed(leaving: bool = False) -> pb.SignedEnvelope:
         # time in ns as seq: strictly increasing, across restarts too
         return advertise(ident, capability(), health(), seq=time.time_ns(), now=int(time.time()), leaving=leaving,
                          ttl=max(int(3 * interval), 30))  # three heartbeats missed: gone from every directory
 
-    await register(url, sealed())
+    try:
+        await register(url, sealed())
+    except errors.MeshnodeError as e:
+        if required:
+            raise
+        log.warning("tracker %s: %s (trying again every heartbeat)", url, e)
     task_status.started()
     try:
         while True:
@@ -113,6 +121,51 @@ async def tracker_models(url: str) -> list[tuple[str, str]]:
         return [(str(m["fingerprint"]), str(m["name"])) for m in json.loads(body)["models"]]
     except (ValueError, KeyError, TypeError) as e:
         raise errors.PeerError(f"the tracker's status is not meshnode's JSON: {e!r}", hop=url) from None
+
+
+def urls_of(tracker: str | Sequence[str] | None) -> list[str]:
+    """A ``--tracker`` setting (one URL, several, or none) as a list."""
+    if not tracker:
+        return []
+    return [tracker] if isinstance(tracker, str) else list(tracker)
+
+
+async def ask_all(tracker: str | Sequence[str] | None, ask: Callable[[str], Awaitable[list[T]]]) -> list[T]:
+    """``ask(url)`` of every tracker at once; the answers of those that answered, in order. PeerError
+    only if none did (naming each one's failure): any one tracker is enough (docs/directory.md)."""
+    urls = urls_of(tracker)
+    got: dict[str, list[T]] = {}
+    failed: dict[str, str] = {}
+
+    async def one(url: str) -> None:
+        try:
+            got[url] = await ask(url)
+        except errors.MeshnodeError as e:
+            failed[url] = str(e)
+
+    async with trio.open_nursery() as nursery:
+        for url in urls:
+            nursery.start_soon(one, url)
+    if urls and not got:
+        raise errors.PeerError("no tracker answered: " + "; ".join(f"{u}: {m}" for u, m in failed.items()),
+                               hop=urls[0])
+    return [x for url in urls if url in got for x in got[url]]
+
+
+def _one_per_node(entries: list[PeerEntry]) -> list[PeerEntry]:
+    seen: dict[str, PeerEntry] = {}
+    for e in entries:
+        seen.setdefault(e.node_id, e)
+    return list(seen.values())
+
+
+async def lookup_any(tracker: str | Sequence[str] | None, query: str) -> list[PeerEntry]:
+    """``lookup`` on every tracker at once: the nodes any of them lists, once each."""
+    return _one_per_node(await ask_all(tracker, lambda url: lookup(url, query)))
+
+
+async def lookup_all_any(tracker: str | Sequence[str] | None) -> list[PeerEntry]:
+    return _one_per_node(await ask_all(tracker, lookup_all))
 
 
 async def lookup(url: str, query: str) -> list[PeerEntry]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from meshnode import errors
 from meshnode.cache import check_room
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
-from meshnode.discovery.tracker_client import lookup
+from meshnode.discovery.tracker_client import lookup_any
 from meshnode.fetch.client import FetchReport, fetch_manifest, fetch_pieces
 from meshnode.fetch.plan import Piece, pieces
 from meshnode.fetch.store import PartialModel, fetched_dir
@@ -59,7 +60,7 @@ class Holders:
         return out
 
 
-async def find_holders(query: str, *, tracker: str | None, mdns: str | None, timeout: float = 5.0,
+async def find_holders(query: str, *, tracker: str | Sequence[str] | None, mdns: str | None, timeout: float = 5.0,
                        required: bool = True) -> Holders:
     """The live peers serving the one model ``query`` names (RouteError if several models, or if none
     and ``required``; else an empty ``Holders``)."""
@@ -79,9 +80,8 @@ async def find_holders(query: str, *, tracker: str | None, mdns: str | None, tim
             await nursery.start(functools.partial(run_mdns, table, interface=mdns, aio=aio.run))
 
         async def poll() -> None:
-            assert tracker is not None
             while True:
-                for entry in await lookup(tracker, query):
+                for entry in await lookup_any(tracker, query):
                     table.feed(Seen(entry))
                 await trio.sleep(0.5)
 

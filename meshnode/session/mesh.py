@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -18,7 +18,7 @@ import trio
 from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
-from meshnode.discovery.tracker_client import lookup, tracker_models
+from meshnode.discovery.tracker_client import ask_all, lookup_any, tracker_models
 from meshnode.routing.assign import MIN_PREFIX, is_short_prefix, model_matches
 from meshnode.routing.choose import Candidate, choose_route
 from meshnode.transport.aiothread import AioRun, via_trio_asyncio
@@ -79,22 +79,22 @@ def seen_models(entries: Iterable[PeerEntry], tracked: Iterable[tuple[str, str]]
     return ", ".join(f"{name} ({fp[:MIN_PREFIX]}…)" for fp, name in sorted(models.items(), key=lambda kv: kv[1]))
 
 
-async def _tracker_models(url: str) -> list[tuple[str, str]]:
-    """(fingerprint, name) of every model the tracker knows; [] if it cannot say."""
+async def _tracker_models(tracker: str | Sequence[str] | None) -> list[tuple[str, str]]:
+    """(fingerprint, name) of every model the trackers know; [] if none can say."""
     try:
-        return await tracker_models(url)
+        return await ask_all(tracker, tracker_models)
     except errors.MeshnodeError:
         return []
 
 
-async def _poll_tracker(url: str, query: str, table: PeerTable) -> None:
+async def _poll_tracker(tracker: str | Sequence[str] | None, query: str, table: PeerTable) -> None:
     while True:
-        for entry in await lookup(url, query):
+        for entry in await lookup_any(tracker, query):
             table.feed(Seen(entry))
         await trio.sleep(0.5)
 
 
-async def find_route(query: str, *, mdns_interface: str | None = None, tracker: str | None = None,
+async def find_route(query: str, *, mdns_interface: str | None = None, tracker: str | Sequence[str] | None = None,
                      timeout: float = 5.0, load: dict[str, int] | None = None,
                      aio: AioRun = via_trio_asyncio) -> list[str]:
     """Endpoints of the fastest route for model ``query`` (see ``discover``)."""
@@ -110,7 +110,7 @@ class Discovered:
     spares: list[str]
 
 
-async def discover(query: str, *, mdns_interface: str | None = None, tracker: str | None = None,
+async def discover(query: str, *, mdns_interface: str | None = None, tracker: str | Sequence[str] | None = None,
                    timeout: float = 5.0, load: dict[str, int] | None = None,
                    aio: AioRun = via_trio_asyncio) -> Discovered:
     """Endpoints of the fastest route for model ``query``, from mDNS and/or a tracker.
