@@ -14,11 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
 from meshnode.identity import NodeIdentity
 from meshnode.identity.advert import advertise
 from meshnode.proto import node_pb2 as pb
-from tests.test_tracker import FP, _cap, _post
+from tests.test_tracker import FP, Browser, _cap, _post
+from tests.test_tracker import browser as browser  # the fixture
 
 WAIT = 30.0
 
@@ -155,6 +157,43 @@ def test_nodes_publish_to_every_tracker_and_clients_need_any_one(model: Path, re
         for n in nodes:
             n.stop()
         for p in (p1, p2):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+            if p.stdout:
+                p.stdout.close()
+
+
+PEERS_SHOWN = """() => Array.from(document.querySelectorAll('#peers tbody tr')).map(r => ({
+  url: r.dataset.peer, state: r.querySelector("[data-k='peer_state']").textContent,
+  records: r.querySelector("[data-k='their_records']").textContent}))"""
+
+
+async def test_the_page_shows_the_peers_and_their_state_in_a_real_browser(browser: Browser,
+                                                                          tmp_path: Path) -> None:
+    a_proc, a = _start(tmp_path / "a.sqlite")
+    b_proc, b = _start(tmp_path / "b.sqlite", a)
+    try:
+        _register(a, NodeIdentity.generate())
+        page = await browser(browser.browser.new_page, viewport={"width": 1280, "height": 900})
+        await browser(page.goto, b + "/")
+        with trio.fail_after(WAIT):
+            while True:
+                shown = await browser(page.evaluate, PEERS_SHOWN)
+                if shown and shown[0]["state"] == "in sync" and shown[0]["records"] == "1":
+                    break
+                await trio.sleep(0.25)
+        assert shown[0]["url"] == a
+        a_proc.terminate()
+        a_proc.wait(10)
+        with trio.fail_after(WAIT):
+            while (await browser(page.evaluate, PEERS_SHOWN))[0]["state"] != "unreachable":  # noqa: ASYNC110
+                await trio.sleep(0.25)  # (no event crosses from a page)
+        text = await browser(page.inner_text, "body")
+        assert "1 peer" in text
+        await browser(page.close)
+    finally:
+        for p in (a_proc, b_proc):
             if p.poll() is None:
                 p.terminate()
                 p.wait(10)

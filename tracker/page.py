@@ -5,6 +5,7 @@ are cut to 12 hex digits, the full id is the cell's title; hardware and
 liveness wrap). A dead node's row and its coverage cells are marked dead,
 and its layers count as uncovered; a node caught lying (a verified report) is marked misbehaving the
 same way, with the position it lied at, and covers nothing either. Everything a node advertised is escaped.
+The peer trackers it syncs with (``--peer``) are listed with their state, last sync and record counts.
 """
 
 PAGE = r"""<!doctype html>
@@ -52,6 +53,10 @@ PAGE = r"""<!doctype html>
 <h1>meshnode tracker</h1>
 <div class="muted">live view, refreshed every 2 s &middot; <span id="updated">loading&hellip;</span>
   &middot; <a href="/api/status">JSON</a></div>
+<h2>Peer trackers <span class="muted" id="peers-count"></span></h2>
+<table class="nodes" id="peers"><thead><tr><th>tracker</th><th>state</th><th class="num">last sync<br>
+  <small>seconds ago</small></th><th class="num">its records</th><th class="num">records in</th>
+  <th class="num">records out</th><th class="num">bytes</th></tr></thead><tbody></tbody></table>
 <h2>Models <span class="muted" id="models-count"></span></h2>
 <div id="models"></div>
 <h2>Nodes <span class="muted" id="nodes-count"></span></h2>
@@ -140,6 +145,15 @@ function node(n) {
     (n.misbehaving ? "<small class='bad' data-k='lied'>" + esc(lied(n)) + "</small><br>" : "") +
     "<small>counters " + n.counters_age_seconds + " s old (" + esc(n.counters_source) + ")</small></td></tr>";
 }
+function peer(p) {
+  return "<tr data-peer='" + esc(p.url) + "'><td>" + esc(p.url) + "</td><td>" +
+    (p.ok ? "<span class='badge ok' data-k='peer_state'>in sync</span>" :
+            "<span class='badge bad' data-k='peer_state'>unreachable</span> <small>" + esc(cut(p.error, 80)) +
+            "</small>") + "</td><td class='num'>" + (p.last_sync_seconds_ago === null ? "&ndash;" :
+    span("last_sync", p.last_sync_seconds_ago)) + "</td><td class='num'>" + span("their_records", p.their_records) +
+    "</td><td class='num'>" + p.records_in + "</td><td class='num'>" + p.records_out + "</td><td class='num'>" +
+    p.bytes + "</td></tr>";
+}
 let nodesById = {};
 async function refresh() {
   try {
@@ -153,6 +167,10 @@ async function refresh() {
     document.getElementById("models").innerHTML = s.models.length ? s.models.map(model).join("") :
       "<p class='muted'>no nodes registered</p>";
     document.querySelector("#nodes tbody").innerHTML = s.nodes.map(node).join("");
+    const peers = s.peers || [];
+    document.getElementById("peers-count").textContent = "· " + (peers.length ? plural(peers.length, "peer") +
+      " · " + plural(s.records || 0, "record") + " held here" : "none (--peer URL)");
+    document.querySelector("#peers tbody").innerHTML = peers.map(peer).join("");
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.ready = "1";
     document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);
