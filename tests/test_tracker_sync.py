@@ -87,6 +87,8 @@ def test_a_record_registered_with_one_tracker_is_found_on_every_other(trio_of_tr
     with urllib.request.urlopen(req, timeout=5) as r:
         assert json.loads(r.read()) == {"kept": 0, "refused": {"refused": 1}}
     assert me.node_id not in _ids(b)
+    with urllib.request.urlopen(f"{b}/api/status", timeout=5) as r:
+        assert json.loads(r.read())["refused"].get("foreign_key") == 1  # counted by reason
     # with the first tracker gone, the two others still sync
     pa.terminate()
     pa.wait(10)

@@ -24,6 +24,7 @@ import logging
 import math
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from starlette.types import ASGIApp
 
 from meshnode import errors
 from meshnode.audit.evidence import MAX_EVIDENCE_BYTES
+from meshnode.directory.records import RecordRefused, check
 from meshnode.http.serve import NO_STORE, asgi_app, error_response, json_response, read_body
 from meshnode.identity.advert import verify_advert
 from meshnode.proto import node_pb2 as pb
@@ -64,6 +66,8 @@ class Tracker:
     evidence_rates: RateTable = field(init=False)
     #: peer trackers this one syncs with (tracker/peering.py); None: none
     peering: Peering | None = None
+    #: records refused, by reason (forged, foreign_key, stale, expired, far_future, oversized, malformed)
+    refused: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         if self.verifier is None:
@@ -100,6 +104,7 @@ class Tracker:
             doc = views.status(views.current(self.registry, now, full=views.MAX_NODES_SHOWN))
             peers = self.peering.view() if self.peering is not None else []
             return json_response({**doc, "misbehaving": views.marks(self.registry, now), "peers": peers,
+                                  "refused": dict(self.refused),
                                   "records": len(self.peering.mirror.records) if self.peering else None})
         if route == ("GET", "/api/lookup"):
             query = req.query_params.get("model", "")
@@ -152,7 +157,17 @@ class Tracker:
         try:
             env = pb.SignedEnvelope.FromString(body)
             node_id = pb.Advertisement.FromString(env.payload).capability.node_id
-            ad = verify_advert(env, now=int(now), last_seq=self.registry.last_seq(node_id))
+            known = self.registry.last_seq(node_id)
+            try:
+                ad = verify_advert(env, now=int(now), last_seq=known)
+            except errors.MeshnodeError:
+                self.refused[_reason(env, int(now), known)] += 1
+                raise
+            try:  # and the directory's own (its expiry: meshnode/directory/records.py), as every store runs them
+                check(env, now=int(now), known_seq=known, attest=False)
+            except RecordRefused as r:
+                self.refused[r.reason] += 1
+                raise
         except errors.MeshnodeError as e:
             if not from_peer:  # a peer's stale copies are routine: counted there, not logged
                 log.warning("refused a registration: %s", e)
@@ -173,3 +188,12 @@ class Tracker:
         if self.peering is not None:
             self.peering.learned(env, now, from_peer=from_peer)
         return json_response({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})
+
+
+def _reason(env: pb.SignedEnvelope, now: int, known: int | None) -> str:
+    """Why a registration was refused, as the directory counts it (its checks; else: not fresh)."""
+    try:
+        check(env, now=now, known_seq=known)
+    except RecordRefused as r:
+        return r.reason
+    return "stale"
