@@ -39,6 +39,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "share_rate": (float, None),
     "cache_limit": (float, None),
     "memory": (float, None),
+    "bootstrap": (list, None),
     "layers": (str, None),
     "auto": (bool, False),
     "span": (int, 0),

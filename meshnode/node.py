@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from meshnode.capabilities import capability, hardware, measure_throughput
+from meshnode.directory.carried import CarriedDirectory
 from meshnode.discovery.tracker_client import run_heartbeat, urls_of
 from meshnode.executor import ExecConfig, RangeExecutor
 from meshnode.fetch.limits import DEFAULT_RATE, ShareLimits
@@ -77,6 +80,8 @@ class NodeConfig:
     share_rate: int = DEFAULT_RATE
     #: bytes the cache's ranges and fetched models may take; unserved ones beyond it are removed (None: no limit)
     cache_limit: int | None = None
+    #: nodes to exchange directory records with first (``--bootstrap HOST:PORT``; directory/carried.py)
+    bootstrap: tuple[str, ...] = ()
 
 
 def prepare(config: NodeConfig) -> RangeArtifact:
@@ -151,7 +156,8 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
         async with open_aio_thread() as aio, trio.open_nursery() as nursery:
             host = SessionHost(executor, cap, config.limits, endpoint=config.listen, ident=ident)
             share = await trio.to_thread.run_sync(_share, config, host) if config.share_rate > 0 else None
-            servicer = NodeServicer(host, executor, share)
+            directory = _directory(config, ident, host, runtime.dir, endpoints, artifact.fingerprint)
+            servicer = NodeServicer(host, executor, share, directory)
             addr = await nursery.start(functools.partial(serve_grpc, servicer, config.listen, aio=aio.run, tls=tls))
             host.endpoint = addr
             endpoints.append(addr)
@@ -165,6 +171,9 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
                 metrics_url = f"http://{mhost}:{bound}/metrics"
                 log.info("metrics on %s", metrics_url)
             await _announce(nursery, config, ident, host, aio, addr)
+            await nursery.start(functools.partial(directory.run, functools.partial(_ask_records, aio),
+                                                  _tracker_records(config, artifact.fingerprint),
+                                                  config.bootstrap, interval=config.heartbeat))
             api_url = await _serve_api(nursery, config, aio, addr, runtime.dir) if config.api else None
             runtime.write(node_id=ident.node_id, listen=config.listen, endpoint=addr,
                           layers=f"{artifact.start}:{artifact.end}", tracker=config.tracker,
@@ -183,6 +192,37 @@ async def _serve(config: NodeConfig, artifact: RangeArtifact, ident: NodeIdentit
                 await _settle(executor)
     finally:
         executor.close()
+
+
+def _directory(config: NodeConfig, ident: NodeIdentity, host: SessionHost, sdir: Path,
+               endpoints: list[str], model: str) -> CarriedDirectory:
+    """The directory this node carries and exchanges with its peers (directory/carried.py)."""
+    from meshnode.identity.advert import advertise
+
+    def own() -> pb.SignedEnvelope:
+        return advertise(ident, host.capability, host.health(), seq=time.time_ns(), now=int(time.time()),
+                         ttl=max(int(3 * config.heartbeat), 30))
+
+    return CarriedDirectory(sdir, model, ident.node_id, own, lambda: endpoints[0] if endpoints else "")
+
+
+async def _ask_records(aio: AioThread, endpoint: str, req: pb.RecordsRequest) -> pb.RecordBatch:
+    from meshnode.transport.client import records
+
+    reply: pb.RecordBatch = await aio.run(records, endpoint, req)
+    return reply
+
+
+def _tracker_records(config: NodeConfig, model: str) -> Callable[[], Awaitable[list[pb.SignedEnvelope]]] | None:
+    """What the trackers list for this node's model, for its directory (None: no tracker)."""
+    if not config.tracker:
+        return None
+    from meshnode.discovery.tracker_client import ask_all, lookup_records
+
+    async def ask() -> list[pb.SignedEnvelope]:
+        return await ask_all(config.tracker, lambda url: lookup_records(url, model))
+
+    return ask
 
 
 def _share(config: NodeConfig, host: SessionHost) -> Share:

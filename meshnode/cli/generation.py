@@ -75,6 +75,8 @@ class Runner:
     draft_max: int = 8
     #: the draft model's GGUF ("": none)
     model_draft: str = ""
+    #: live nodes to learn the mesh from (--bootstrap): their directories (no tracker needed)
+    bootstrap: list[str] = field(default_factory=list)
     #: what each run reports on stderr (the seed it drew)
     say: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr, flush=True))
 
@@ -90,8 +92,9 @@ class Runner:
             raise errors.InputError(f"--step-timeout must be above 0 and at most 3600 seconds, not {ns.step_timeout:g}")
         if sum(map(bool, (ns.peer, ns.model, ns.mesh))) > 1:
             raise errors.InputError("give one of --peer (a route), --mesh (find one) or --model (the whole model here)")
-        if ns.mesh and not (ns.mdns or ns.tracker):
-            raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR and/or --tracker URL")
+        if ns.mesh and not (ns.mdns or ns.tracker or ns.bootstrap):
+            raise errors.InputError("--mesh needs a way to find peers: --mdns ADDR, --tracker URL and/or "
+                                    "--bootstrap HOST:PORT")
         if ns.spare and not ns.peer:
             raise errors.InputError("--spare goes with --peer (with --mesh every other peer found is a spare)")
         check_endpoints(ns)
@@ -100,6 +103,7 @@ class Runner:
         except ValueError as e:
             raise errors.InputError(f"--audit-*: {e}") from None
         runner = cls(peers=list(ns.peer), spares=list(ns.spare), mesh=ns.mesh, mdns=ns.mdns, tracker=ns.tracker,
+                     bootstrap=list(ns.bootstrap),
                      discover_timeout=ns.discover_timeout, model=ns.model, exec_config=exec_config(ns),
                      sampling=sampling_from_flags(ns), seed=ns.seed, stop=tuple(ns.stop), max_tokens=ns.max_tokens,
                      wire_dtype=pb.DTYPE_F16 if ns.wire_dtype == "f16" else pb.DTYPE_F32,
@@ -151,7 +155,7 @@ class Runner:
 
                 assert self.mesh is not None
                 found = await discover(self.mesh, mdns_interface=self.mdns, tracker=self.tracker,
-                                       timeout=self.discover_timeout, aio=aio.run)
+                                       bootstrap=self.bootstrap, timeout=self.discover_timeout, aio=aio.run)
                 self.peers, self.spares = found.route, found.spares
             try:
                 return await aio.run(functools.partial(generate, self.peers, cfg, spares=self.spares,

@@ -278,6 +278,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     for url in ns.tracker or ():
         check_url(url)
+    from meshnode.transport.server import split_hostport as _hostport
+
+    for b in ns.bootstrap or ():
+        _hostport(b, "--bootstrap")
     auto = getattr(ns, "join", False) and ns.auto
     if auto and ns.layers:
         raise errors.InputError("give --layers or --auto, not both")
@@ -302,7 +306,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         start, end = parse_layers(ns.layers)
     rate = int((64 if ns.share_rate is None else ns.share_rate) * (1 << 20))
     cfg = NodeConfig(model=model, start=start, end=end, share_rate=rate,
-                     cache_limit=_gb(ns.cache_limit, "--cache-limit"), listen=ns.listen, executor=exec_config(ns),
+                     cache_limit=_gb(ns.cache_limit, "--cache-limit"), bootstrap=tuple(ns.bootstrap or ()),
+                     listen=ns.listen, executor=exec_config(ns),
                      state_dir=Path(ns.state_dir) if ns.state_dir else None, mdns_interface=ns.mdns,
                      tracker=tuple(ns.tracker or ()), heartbeat=ns.heartbeat, drain_timeout=ns.drain_timeout,
                      metrics=ns.metrics, api=ns.api, api_key=api_key_of(ns.api_key), insecure=ns.insecure,
@@ -577,6 +582,9 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracker", metavar="URL", action="append",
                    help="with --mesh: look the model up on this tracker (repeat: all are asked at once, any one "
                         "answering is enough); a hop caught lying is reported to each")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="HOST:PORT",
+                   help="with --mesh: a live node of the mesh to learn the others from (its directory; repeat); "
+                        "needs no tracker (docs/directory.md)")
     p.add_argument("--discover-timeout", type=float, default=5.0, help="with --mesh: seconds to look for peers")
     p.add_argument("--spare", action="append", default=[], metavar="HOST:PORT",
                    help="with --peer: another peer of the model; takes over the span of a hop that fails (repeat)")
@@ -705,6 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--mdns", metavar="ADDR", help="advertise and browse over mDNS on this interface address")
         p.add_argument("--tracker", metavar="URL", action="append",
                        help="register with this tracker (http://HOST:PORT; repeat: publish to each)")
+        p.add_argument("--bootstrap", action="append", metavar="HOST:PORT",
+                       help="a node to exchange directory records with first (repeat): how a node finds the mesh "
+                            "when no tracker answers (docs/directory.md)")
         p.add_argument("--heartbeat", type=float, help="seconds between tracker heartbeats (default 10)")
         p.add_argument("--drain-timeout", type=float, help="seconds live sessions get when leaving (default 30)")
         p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics")

@@ -168,6 +168,19 @@ async def lookup_all_any(tracker: str | Sequence[str] | None) -> list[PeerEntry]
     return _one_per_node(await ask_all(tracker, lookup_all))
 
 
+async def lookup_records(url: str, query: str) -> list[pb.SignedEnvelope]:
+    """The signed records the tracker lists for model ``query``, as they are (for a directory's store,
+    which checks each itself)."""
+    target = tracker_url(url, "/api/lookup?" + urllib.parse.urlencode({"model": query}))
+    out = []
+    for node in await _nodes(url, target):
+        try:
+            out.append(pb.SignedEnvelope.FromString(base64.b64decode(node["envelope"], validate=True)))  # type: ignore[index]
+        except (ValueError, KeyError, TypeError, DecodeError):
+            continue
+    return out
+
+
 async def lookup(url: str, query: str) -> list[PeerEntry]:
     """The tracker's live nodes of model ``query``, each advertisement verified here."""
     target = tracker_url(url, "/api/lookup?" + urllib.parse.urlencode({"model": query}))

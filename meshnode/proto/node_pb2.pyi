@@ -656,6 +656,32 @@ class Advertisement(_message.Message):
 Global___Advertisement: _TypeAlias = Advertisement  # noqa: Y015
 
 @_typing.final
+class RecordsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    OFFER_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """a model id: only its nodes' records (empty: every record held)"""
+    @_builtins.property
+    def offer(self) -> Global___RecordBatch:
+        """records the caller holds (its own among them), for this node to check and keep"""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        offer: Global___RecordBatch | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "offer", b"offer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordsRequest: _TypeAlias = RecordsRequest  # noqa: Y015
+
+@_typing.final
 class RecordBatch(_message.Message):
     """Records a directory holds, as one message (tracker sync and peer exchange: docs/directory.md)."""
 

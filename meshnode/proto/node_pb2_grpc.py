@@ -79,6 +79,11 @@ class NodeStub:
                 request_serializer=meshnode_dot_proto_dot_node__pb2.FetchRequest.SerializeToString,
                 response_deserializer=meshnode_dot_proto_dot_node__pb2.FetchChunk.FromString,
                 _registered_method=True)
+        self.Records = channel.unary_unary(
+                '/meshnode.v1.Node/Records',
+                request_serializer=meshnode_dot_proto_dot_node__pb2.RecordsRequest.SerializeToString,
+                response_deserializer=meshnode_dot_proto_dot_node__pb2.RecordBatch.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -152,6 +157,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Records(self, request, context):
+        """Peer exchange: the directory records this node holds (of one model, or all), and it takes the
+        caller's offered records through the same checks any store runs (docs/directory.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +212,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=meshnode_dot_proto_dot_node__pb2.FetchRequest.FromString,
                     response_serializer=meshnode_dot_proto_dot_node__pb2.FetchChunk.SerializeToString,
+            ),
+            'Records': grpc.unary_unary_rpc_method_handler(
+                    servicer.Records,
+                    request_deserializer=meshnode_dot_proto_dot_node__pb2.RecordsRequest.FromString,
+                    response_serializer=meshnode_dot_proto_dot_node__pb2.RecordBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +462,33 @@ class Node:
             '/meshnode.v1.Node/Fetch',
             meshnode_dot_proto_dot_node__pb2.FetchRequest.SerializeToString,
             meshnode_dot_proto_dot_node__pb2.FetchChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Records(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnode.v1.Node/Records',
+            meshnode_dot_proto_dot_node__pb2.RecordsRequest.SerializeToString,
+            meshnode_dot_proto_dot_node__pb2.RecordBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,6 +75,10 @@ class NodeStub:
     them). The fetcher checks every span against the manifest before writing it. Bounded per
     requester and in all, and paced (docs/fetch.md).
     """
+    Records: _grpc.UnaryUnaryMultiCallable[_node_pb2.RecordsRequest, _node_pb2.RecordBatch]
+    """Peer exchange: the directory records this node holds (of one model, or all), and it takes the
+    caller's offered records through the same checks any store runs (docs/directory.md).
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -104,6 +108,10 @@ class NodeAsyncStub(NodeStub):
     its model id names, or spans of the file (the header, or pieces of tensors as the manifest cuts
     them). The fetcher checks every span against the manifest before writing it. Bounded per
     requester and in all, and paced (docs/fetch.md).
+    """
+    Records: _aio.UnaryUnaryMultiCallable[_node_pb2.RecordsRequest, _node_pb2.RecordBatch]  # type: ignore[assignment]
+    """Peer exchange: the directory records this node holds (of one model, or all), and it takes the
+    caller's offered records through the same checks any store runs (docs/directory.md).
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -185,6 +193,16 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         its model id names, or spans of the file (the header, or pieces of tensors as the manifest cuts
         them). The fetcher checks every span against the manifest before writing it. Bounded per
         requester and in all, and paced (docs/fetch.md).
+        """
+
+    @_abc_1.abstractmethod
+    def Records(
+        self,
+        request: _node_pb2.RecordsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.RecordBatch, _abc.Awaitable[_node_pb2.RecordBatch]]:
+        """Peer exchange: the directory records this node holds (of one model, or all), and it takes the
+        caller's offered records through the same checks any store runs (docs/directory.md).
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

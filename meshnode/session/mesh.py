@@ -19,6 +19,7 @@ from meshnode import errors
 from meshnode.discovery.mdns import PeerTable, run_mdns
 from meshnode.discovery.table import PeerEntry, Seen
 from meshnode.discovery.tracker_client import ask_all, lookup_any, tracker_models
+from meshnode.proto import node_pb2 as pb
 from meshnode.routing.assign import MIN_PREFIX, is_short_prefix, model_matches
 from meshnode.routing.choose import Candidate, choose_route
 from meshnode.transport.aiothread import AioRun, via_trio_asyncio
@@ -94,6 +95,35 @@ async def _poll_tracker(tracker: str | Sequence[str] | None, query: str, table: 
         await trio.sleep(0.5)
 
 
+async def _poll_directories(bootstrap: Sequence[str], query: str, table: PeerTable, aio: AioRun) -> None:
+    """Peer exchange from the nodes given and, one step on, from the nodes they list: every record
+    checked here (directory/records.py), the live ones fed to the table (docs/directory.md)."""
+    from meshnode.directory.records import RecordRefused, check
+    from meshnode.transport.client import records
+
+    asked: set[str] = set()
+    while True:
+        targets = [*bootstrap, *(e.endpoint for e in table.live().values() if e.source == "directory")]
+        for endpoint in dict.fromkeys(targets):
+            if endpoint in asked and endpoint not in bootstrap:
+                continue
+            asked.add(endpoint)
+            try:
+                got = await aio(records, endpoint, pb.RecordsRequest(), 5.0)
+            except errors.MeshnodeError:
+                continue
+            now = int(time.time())
+            for env in got.records[:2000]:
+                try:
+                    rec = check(env, now=now)
+                except RecordRefused:
+                    continue
+                cap = rec.advert.capability
+                if cap.endpoints and not rec.advert.leaving:
+                    table.feed(Seen(PeerEntry(cap.node_id, cap.endpoints[0], cap, "directory", time.time())))
+        await trio.sleep(0.5)
+
+
 async def find_route(query: str, *, mdns_interface: str | None = None, tracker: str | Sequence[str] | None = None,
                      timeout: float = 5.0, load: dict[str, int] | None = None,
                      aio: AioRun = via_trio_asyncio) -> list[str]:
@@ -111,6 +141,7 @@ class Discovered:
 
 
 async def discover(query: str, *, mdns_interface: str | None = None, tracker: str | Sequence[str] | None = None,
+                   bootstrap: Sequence[str] = (),
                    timeout: float = 5.0, load: dict[str, int] | None = None,
                    aio: AioRun = via_trio_asyncio) -> Discovered:
     """Endpoints of the fastest route for model ``query``, from mDNS and/or a tracker.
@@ -129,6 +160,8 @@ async def discover(query: str, *, mdns_interface: str | None = None, tracker: st
             await nursery.start(functools.partial(run_mdns, table, interface=mdns_interface, aio=aio))
         if tracker:
             nursery.start_soon(_poll_tracker, tracker, query, table)
+        if bootstrap:
+            nursery.start_soon(_poll_directories, bootstrap, query, table, aio)
         peers = await candidates_of(table, query, timeout)
         nursery.cancel_scope.cancel()
     if not peers:

@@ -153,3 +153,14 @@ async def fetch(endpoint: str, request: pb.FetchRequest, timeout: float = 600.0,
             raise translate(e, endpoint, "Fetch") from e
         finally:
             call.cancel()
+
+
+async def records(endpoint: str, request: pb.RecordsRequest, timeout: float = 10.0,
+                  node_id: str | None = None) -> pb.RecordBatch:
+    """Peer exchange with a node: the records it holds (each still to be checked by the caller)."""
+    async with await open_channel(endpoint, node_id) as ch:
+        try:
+            reply: pb.RecordBatch = await pb_grpc.NodeStub(ch).Records(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, endpoint, "Records") from e
+    return reply

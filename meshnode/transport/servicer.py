@@ -63,6 +63,12 @@ class Host(Protocol):
     def metrics(self) -> NodeMetrics: ...
 
 
+class Directory(Protocol):
+    """The records a node carries (directory/carried.py's ``CarriedDirectory``)."""
+
+    def answer(self, req: pb.RecordsRequest) -> pb.RecordBatch: ...
+
+
 class ModelShare(Protocol):
     """The bytes of the model a node holds, for peers that fetch it (fetch/share.py's ``Share``)."""
 
@@ -93,10 +99,12 @@ async def _abort(context: Any, status: grpc.StatusCode, e: errors.MeshnodeError)
 
 
 class NodeServicer(pb_grpc.NodeServicer):
-    def __init__(self, host: Host, executor: RangeExecutor, share: ModelShare | None = None) -> None:
+    def __init__(self, host: Host, executor: RangeExecutor, share: ModelShare | None = None,
+                 directory: Directory | None = None) -> None:
         self.host = host
         self.executor = executor
         self.share = share
+        self.directory = directory
 
     async def GetCapability(self, request: pb.CapabilityRequest, context: Any) -> pb.Capability:
         return self.host.current_capability()
@@ -161,3 +169,9 @@ class NodeServicer(pb_grpc.NodeServicer):
                 yield chunk
         except errors.MeshnodeError as e:
             await _abort(context, _FETCH_STATUS.get(e.code, grpc.StatusCode.FAILED_PRECONDITION), e)
+
+    async def Records(self, request: pb.RecordsRequest, context: Any) -> pb.RecordBatch:
+        """Peer exchange (directory/carried.py): the caller's records checked and kept, ours answered."""
+        if self.directory is None:
+            return pb.RecordBatch()
+        return self.directory.answer(request)
