@@ -36,7 +36,8 @@ def check_endpoints(ns: argparse.Namespace) -> None:
     """Every HOST:PORT and URL flag of ``generate``, before anything connects."""
     from meshnode.transport.server import split_hostport
 
-    for flag, values in (("--peer", ns.peer), ("--spare", ns.spare), ("--bootstrap", getattr(ns, "bootstrap", ()) or ())):
+    given = (("--peer", ns.peer), ("--spare", ns.spare), ("--bootstrap", getattr(ns, "bootstrap", ()) or ()))
+    for flag, values in given:
         for v in values:
             split_hostport(v, flag)
     for url in ns.tracker or ():
