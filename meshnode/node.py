@@ -277,9 +277,10 @@ async def _announce(nursery: trio.Nursery, config: NodeConfig, ident: NodeIdenti
         await nursery.start(functools.partial(run_mdns, PeerTable(), interface=config.mdns_interface,
                                               node_id=ident.node_id, endpoint=advertised, aio=aio.run))
     urls = urls_of(config.tracker)
-    for url in urls:  # one tracker must take the first registration; of several, any may be down
+    for url in urls:  # a tracker that is down does not stop the node: it is told at the next heartbeat it answers,
+        # and meanwhile the node is found through the other trackers and the directory its peers carry
         await nursery.start(functools.partial(run_heartbeat, url, ident, lambda: sessions.capability,
-                                              sessions.health, interval=config.heartbeat, required=len(urls) == 1))
+                                              sessions.health, interval=config.heartbeat, required=False))
 
 
 async def _sweep_detached(host: SessionHost, aio: AioThread, every: float = 1.0) -> None:
