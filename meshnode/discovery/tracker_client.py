@@ -12,6 +12,8 @@ sends the tracker a signed report that a hop lied (meshnode/audit/evidence.py).
 from __future__ import annotations
 
 import base64
+import collections
+import hashlib
 import json
 import logging
 import time
@@ -27,6 +29,7 @@ from meshnode.discovery.table import PeerEntry
 from meshnode.http.client import request, tracker_url
 from meshnode.identity import NodeIdentity
 from meshnode.identity.advert import advertise, verify_advert
+from meshnode.identity.attest import CLOCK_SKEW
 from meshnode.proto import node_pb2 as pb
 
 log = logging.getLogger("meshnode.tracker")
@@ -123,6 +126,16 @@ async def tracker_models(url: str) -> list[tuple[str, str]]:
         raise errors.PeerError(f"the tracker's status is not meshnode's JSON: {e!r}", hop=url) from None
 
 
+#: once one tracker has answered, the seconds the others get before they are given up on (a tracker that
+#: is down or cut off would otherwise hold a lookup for its whole timeout)
+GRACE = 0.3
+
+
+async def _cut_after(scope: trio.CancelScope, seconds: float) -> None:
+    await trio.sleep(seconds)
+    scope.cancel()
+
+
 def urls_of(tracker: str | Sequence[str] | None) -> list[str]:
     """A ``--tracker`` setting (one URL, several, or none) as a list."""
     if not tracker:
@@ -137,15 +150,25 @@ async def ask_all(tracker: str | Sequence[str] | None, ask: Callable[[str], Awai
     got: dict[str, list[T]] = {}
     failed: dict[str, str] = {}
 
-    async def one(url: str) -> None:
-        try:
-            got[url] = await ask(url)
-        except errors.MeshnodeError as e:
-            failed[url] = str(e)
-
     async with trio.open_nursery() as nursery:
+
+        async def one(url: str) -> None:
+            try:
+                answer = await ask(url)
+            except errors.MeshnodeError as e:
+                failed[url] = str(e)
+            else:
+                if not got:  # the first answer: the others get a moment more, not their whole timeout
+                    nursery.start_soon(_cut_after, nursery.cancel_scope, GRACE)
+                got[url] = answer
+            if len(got) + len(failed) == len(urls):
+                nursery.cancel_scope.cancel()  # all in: no reason to wait out the grace
+
         for url in urls:
             nursery.start_soon(one, url)
+    for url in urls:
+        if url not in got and url not in failed:
+            failed[url] = f"no answer within {GRACE}s of another tracker's"
     if urls and not got:
         raise errors.PeerError("no tracker answered: " + "; ".join(f"{u}: {m}" for u, m in failed.items()),
                                hop=urls[0])
@@ -205,6 +228,32 @@ async def _nodes(url: str, target: str) -> list[object]:
     return nodes
 
 
+class _VerifiedCache:
+    """Envelopes already verified (their exact bytes -> the advertisement), so a client that looks the
+    same records up again does not check the same signatures again: a warm lookup costs its HTTP round
+    trip. Bounded; an entry is used only while the advertisement is within the clock skew of now."""
+
+    def __init__(self, most: int = 20_000) -> None:
+        self.most = most
+        self.table: collections.OrderedDict[bytes, pb.Advertisement] = collections.OrderedDict()
+
+    def get(self, raw: bytes, now: int) -> pb.Advertisement | None:
+        key = hashlib.sha256(raw).digest()
+        ad = self.table.get(key)
+        if ad is None or abs(now - ad.issued_at_unix) > CLOCK_SKEW:
+            return None
+        self.table.move_to_end(key)
+        return ad
+
+    def put(self, raw: bytes, ad: pb.Advertisement, now: int) -> None:
+        self.table[hashlib.sha256(raw).digest()] = ad
+        while len(self.table) > self.most:
+            self.table.popitem(last=False)
+
+
+_VERIFIED = _VerifiedCache()
+
+
 def _verified(url: str, nodes: list[object]) -> list[PeerEntry]:
     out = []
     now = int(time.time())
@@ -218,8 +267,11 @@ def _verified(url: str, nodes: list[object]) -> list[PeerEntry]:
                         node.get("misbehaving_report"))
             continue
         try:
-            env = pb.SignedEnvelope.FromString(base64.b64decode(node["envelope"], validate=True))  # type: ignore[index]
-            ad = verify_advert(env, now=now, last_seq=None)
+            raw = base64.b64decode(node["envelope"], validate=True)  # type: ignore[index]
+            ad = _VERIFIED.get(raw, now)
+            if ad is None:
+                ad = verify_advert(pb.SignedEnvelope.FromString(raw), now=now, last_seq=None)
+                _VERIFIED.put(raw, ad, now)
         except errors.MeshnodeError as e:
             log.warning("ignoring a tracker entry: %s", e)
             continue

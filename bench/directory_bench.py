@@ -1,0 +1,192 @@
+"""The directory at scale: ``python -m bench.directory_bench`` (issue 25, item 4).
+
+1. **Simulation** (in process, trio's virtual clock): ``--nodes`` (default 10,000) signed records, each
+   registered with one of 3 trackers at random; every ``--period`` (virtual) seconds each tracker
+   reconciles with the two others by digests (meshnode/directory/sync.py, what ``--peer`` trackers do
+   over HTTP). Printed: the sync periods until all three hold every record, the bytes each period's
+   rounds sent, a store's memory (tracemalloc) and record bytes, and how long a lookup of the model
+   takes from a store in memory (warm).
+2. **Real trackers** (processes on 127.0.0.1): three ``meshnode-tracker`` syncing with each other,
+   ``--real`` records registered with the first; two of them then killed, and lookups through
+   ``lookup_any`` of all three URLs timed: cold (a new client each: connections, the two dead
+   refusing) and warm (the same client's later lookups). p50/p99 of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+
+def _records(n: int, now: int) -> list:
+    from meshnode.identity import NodeIdentity
+    from tests.test_directory import _record
+
+    return [_record(NodeIdentity.generate(), now, 1, ttl=3600) for _ in range(n)]
+
+
+def simulate(records: list, period: float) -> dict[str, object]:
+    import trio
+    import trio.testing
+
+    from meshnode.directory.store import RecordStore
+    from meshnode.directory.sync import round_between
+    from meshnode.proto import node_pb2 as pb
+
+    now = int(time.time())
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    one = RecordStore()
+    for env in records:
+        one.offer(env, now)
+    store_bytes = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    t = time.perf_counter()
+    lookups = []
+    for _ in range(100):
+        t = time.perf_counter()
+        one.live(now, records and pb.Advertisement.FromString(records[0].payload).capability.model_fingerprint)
+        lookups.append(time.perf_counter() - t)
+
+    async def run() -> tuple[int, list[int]]:
+        trackers = [RecordStore(), RecordStore(), RecordStore()]
+        rng = random.Random(7)
+        for env in records:
+            trackers[rng.randrange(3)].offer(env, now)
+        want = set(one.records)
+        periods, sent = 0, []
+        while not all(set(x.records) == want for x in trackers) and periods < 10:
+            await trio.sleep(period)
+            periods += 1
+            total = 0
+            for i, a in enumerate(trackers):
+                for j, b in enumerate(trackers):
+                    if i != j:
+                        total += round_between(a, b, now)
+            sent.append(total)
+        steady = sum(round_between(a, b, now) for a in trackers for b in trackers if a is not b)
+        return periods, [*sent, steady]
+
+    periods, sent = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+    lookups.sort()
+    return {"records": len(records), "periods": periods, "bytes_per_period": sent, "store_memory_bytes": store_bytes,
+            "record_bytes": one.bytes_held, "warm_lookup_ms_p50": 1e3 * lookups[50],
+            "warm_lookup_ms_p99": 1e3 * lookups[98]}
+
+
+def real(n: int, rounds: int) -> dict[str, object]:
+    import re
+    import subprocess
+    import urllib.request
+
+    import trio
+
+    from meshnode.discovery.tracker_client import lookup_any
+    from tests.test_directory import MODEL
+
+    def _start(db: Path, *peers: str) -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen([sys.executable, "-m", "tracker", "--listen", "127.0.0.1:0", "--db", str(db),
+                                 "--ttl", "600", "--sync-every", "1", "--register-rate", "1000000",
+                                 "--max-per-source", "1000000", *[a for p in peers for a in ("--peer", p)]],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None
+        m = re.search(r"listening on (\S+)", proc.stdout.readline())
+        assert m
+        return proc, f"http://{m.group(1)}"
+
+    def register_all(url: str, envs: list) -> None:
+        for env in envs:
+            req = urllib.request.Request(url + "/api/register", data=env.SerializeToString(),
+                                         headers={"Content-Type": "application/x-protobuf"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                r.read()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        a = _start(Path(tmp) / "a.sqlite")
+        b = _start(Path(tmp) / "b.sqlite", a[1])
+        c = _start(Path(tmp) / "c.sqlite", a[1], b[1])
+        procs = [a, b, c]
+        try:
+            now = int(time.time())
+            register_all(a[1], _records(n, now))
+            urls = [a[1], b[1], c[1]]
+            deadline = time.monotonic() + 60
+
+            async def count(url: str) -> int:
+                return len(await lookup_any(url, MODEL))
+
+            while time.monotonic() < deadline and trio.run(count, c[1]) < n:
+                time.sleep(0.5)
+            synced = trio.run(count, c[1])
+            for p, _ in procs[:2]:
+                p.terminate()
+                p.wait(10)
+
+            async def cold() -> float:
+                from meshnode.discovery import tracker_client
+
+                tracker_client._VERIFIED.table.clear()  # as a new client process: nothing verified yet
+                t = time.perf_counter()
+                await lookup_any(urls, MODEL)
+                return time.perf_counter() - t
+
+            colds = sorted(trio.run(cold) for _ in range(rounds))
+
+            async def warm() -> list[float]:
+                out = []
+                await lookup_any(urls[2:], MODEL)
+                for _ in range(rounds):
+                    t = time.perf_counter()
+                    await lookup_any(urls[2:], MODEL)
+                    out.append(time.perf_counter() - t)
+                return sorted(out)
+
+            warms = trio.run(warm)
+        finally:
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(10)
+                if p.stdout:
+                    p.stdout.close()
+
+    def pct(xs: list[float], q: float) -> float:
+        return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    return {"records": n, "synced_to_third": synced, "cold_ms_p50": pct(colds, 0.5), "cold_ms_p99": pct(colds, 0.99),
+            "warm_ms_p50": pct(warms, 0.5), "warm_ms_p99": pct(warms, 0.99)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.directory_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=10_000)
+    ap.add_argument("--period", type=float, default=10.0)
+    ap.add_argument("--real", type=int, default=200, help="records registered with the real trackers")
+    ap.add_argument("--rounds", type=int, default=100, help="lookups timed, cold and warm")
+    ns = ap.parse_args(argv)
+    print(f"command: python -m bench.directory_bench {' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
+    t0 = time.monotonic()
+    records = _records(ns.nodes, int(time.time()))
+    print(f"  {ns.nodes} signed records made in {time.monotonic() - t0:.1f} s", flush=True)
+    sim = simulate(records, ns.period)
+    print(f"simulation: {sim['records']} records over 3 trackers converged in {sim['periods']} sync period(s) of "
+          f"{ns.period:g} s; bytes sent per period (all rounds of the 3): "
+          f"{', '.join(f'{b / 1e6:.2f} MB' for b in sim['bytes_per_period'][:-1])}, then {sim['bytes_per_period'][-1]} "
+          f"bytes once in step; a store of them takes {sim['store_memory_bytes'] / 1e6:.1f} MB "
+          f"({sim['record_bytes'] / 1e6:.1f} MB of records); a warm lookup of the model from memory "
+          f"{sim['warm_lookup_ms_p50']:.2f} ms p50, {sim['warm_lookup_ms_p99']:.2f} ms p99", flush=True)
+    r = real(ns.real, ns.rounds)
+    print(f"real trackers: {r['records']} records registered with the first, {r['synced_to_third']} listed by the "
+          f"third; with 2 of 3 trackers dead, a lookup through all three URLs: cold {r['cold_ms_p50']:.1f} ms p50, "
+          f"{r['cold_ms_p99']:.1f} ms p99; warm {r['warm_ms_p50']:.1f} ms p50, {r['warm_ms_p99']:.1f} ms p99",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
