@@ -159,7 +159,8 @@ def status(nodes: list[Running]) -> dict[str, Any]:
                 peers += await _tracker_peers(tracker, model)
             except errors.MeshnodeError:
                 continue  # one tracker down: the others still say
-        return {"nodes": rows, "peers": peers}
+        once = {p["node_id"]: p for p in reversed(peers)}  # a node several trackers list: once
+        return {"nodes": rows, "peers": [p for p in peers if once.get(p["node_id"]) is p]}
 
     return trio.run(gather)
 
