@@ -72,7 +72,7 @@ async def test_ctrl_c_on_generate_releases_the_route_at_once(node_factory) -> No
     nodes = [await trio.to_thread.run_sync(node_factory, layers) for layers in ("0:15", "15:30")]
     peers = [a for n in nodes for a in ("--peer", n.endpoint)]
     cmd = [sys.executable, "-m", "meshnode", "generate", *peers, "--prompt", "Count: 1, 2, 3, 4,",
-           "--max-tokens", "450", "--temperature", "0", "--stream", "--json"]
+           "--max-tokens", "2000", "--temperature", "0", "--stream", "--json"]
     seen = trio.Event()
     lines: list[bytes] = []
 
