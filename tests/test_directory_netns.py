@@ -68,17 +68,19 @@ def _generate(client: Host, model: str, *how: str) -> dict:
 @pytest.fixture(scope="module")
 def net(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab, dict, dict]]:
     with lab(*TRACKERS, *NODES, "client") as net:
-        urls = {t: f"http://{net.hosts[t].addr}:8700" for t in TRACKERS}
+        urls: dict[str, str] = {}
         trackers: dict[str, subprocess.Popen[str]] = {}
-        for t in TRACKERS:
+        for t in TRACKERS:  # HTTPS, pinned; each peers with those started before it (a sync goes both ways)
             h = net.hosts[t]
             db = tmp_path_factory.mktemp(t) / "t.sqlite"
-            peers = [a for other in TRACKERS if other != t for a in ("--peer", urls[other])]
+            peers = [a for other in urls.values() for a in ("--peer", other)]
             p = subprocess.Popen([*h.exec(), sys.executable, "-m", "tracker", "--listen", f"{h.addr}:8700", "--db",
-                                  str(db), "--ttl", "20", "--sync-every", "1", *peers],
+                                  str(db), "--ttl", "20", "--sync-every", "1", "--tls", *peers],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             assert p.stdout is not None
-            assert re.search(r"listening on", p.stdout.readline())
+            m = re.search(r"status page (https://\S+?)/ .*sha256=([0-9a-f]{64})", p.stdout.readline())
+            assert m
+            urls[t] = f"{m.group(1)}#sha256={m.group(2)}"
             trackers[t] = p
         nodes: dict[str, NodeProcess] = {}
         errors: list[BaseException] = []

@@ -76,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_tls_flags(ap, "the tracker")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # its line per request: every sync with every peer
     try:
         host, port = split_hostport(ns.listen)
         db = Path(ns.db) if ns.db else state_dir() / "tracker.sqlite"
