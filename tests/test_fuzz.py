@@ -88,7 +88,7 @@ MAX_WINDOW = 1 << 16
 #: examples per property (MESHNODE_FUZZ_EXAMPLES overrides them all)
 TAIL_EXAMPLES, HEAD_EXAMPLES, OPEN_EXAMPLES = 160, 120, 150
 RAW_EXAMPLES, RAW_SESSION_EXAMPLES, BUG_EXAMPLES, CODEC_EXAMPLES = 250, 150, 30, 1500
-OUTPUTS_EXAMPLES, LINK_EXAMPLES, FETCH_EXAMPLES = 120, 120, 120
+OUTPUTS_EXAMPLES, LINK_EXAMPLES, FETCH_EXAMPLES, RECORDS_EXAMPLES = 120, 120, 120, 80
 _EXAMPLES = os.environ.get("MESHNODE_FUZZ_EXAMPLES")
 _SEED = os.environ.get("MESHNODE_FUZZ_SEED")
 
@@ -1520,6 +1520,58 @@ async def test_fuzz_fetch_requests(node_factory, model):
     manifest = manifest_of(model)
     fz = await run_live(node_factory, lambda fz: fuzz_fetch(fz, FETCH_EXAMPLES, manifest))
     assert fz.sent >= examples(FETCH_EXAMPLES)
+
+
+# -- Records: peer exchange of directory records (directory/carried.py) ---------------------------
+
+
+async def _records(fz: Fuzz, target: Node, req: pb.RecordsRequest) -> None:
+    fz.counted()
+    reply = await target.stub.Records(req, timeout=30)  # never refused: bad records are dropped, counted
+    for env in reply.records:  # what it answers is only what passed its checks
+        from meshnode.directory.records import check
+
+        check(env, now=int(time.time()))
+
+
+def fuzz_records(fz: Fuzz, max_examples: int, good: list[pb.SignedEnvelope]) -> None:
+    @fuzz(max_examples)
+    @given(st.data())
+    def prop(data: st.DataObject) -> None:
+        d = data.draw
+        target = d(st.sampled_from([fz.head, fz.tail]), label="target")
+
+        def mangled(env: pb.SignedEnvelope) -> pb.SignedEnvelope:
+            out = pb.SignedEnvelope()
+            out.CopyFrom(env)
+            field = d(st.sampled_from(["payload", "signature", "signer_public_key", "payload_type", "none"]),
+                      label="field")
+            if field != "none":
+                setattr(out, field, d(st.binary(max_size=200), label="bytes") if field != "payload_type"
+                        else d(st.text(max_size=40), label="type"))
+            return out
+
+        record = st.one_of(st.sampled_from(good).map(mangled),
+                           st.builds(pb.SignedEnvelope, payload=st.binary(max_size=300),
+                                     payload_type=st.sampled_from(["meshnode.v1.Advertisement", "x"]),
+                                     signer_public_key=st.binary(min_size=32, max_size=32),
+                                     signature=st.binary(min_size=64, max_size=64)))
+        req = pb.RecordsRequest(model=d(st.text(max_size=70), label="model"),
+                                offer=pb.RecordBatch(records=d(st.lists(record, max_size=80), label="offer")))
+        fz.call(_records, fz, target, req)
+
+    prop()
+
+
+async def test_fuzz_records_offers(node_factory):
+    """Records with offers of real records mangled field by field and of random envelopes, any model
+    string: every answer holds only records that pass the directory's checks, beside a healthy session."""
+    from meshnode.identity import NodeIdentity as Ident
+    from tests.test_directory import _record
+
+    good = [_record(Ident.generate(), int(time.time()), 1, ttl=3600) for _ in range(4)]
+    fz = await run_live(node_factory, lambda fz: fuzz_records(fz, RECORDS_EXAMPLES, good))
+    assert fz.sent >= examples(RECORDS_EXAMPLES)
 
 
 # -- links: many sessions' frames in one message (transport/link.py) ---------------------------

@@ -201,3 +201,50 @@ async def test_the_page_shows_the_peers_and_their_state_in_a_real_browser(browse
                 p.wait(10)
             if p.stdout:
                 p.stdout.close()
+
+
+def test_fuzz_sync_endpoints(tmp_path: Path) -> None:
+    """Random and half-valid bodies at every sync endpoint of a live tracker: each answered 200 or 4xx,
+    never 5xx nor a dropped connection; then a real registration still works and is found."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    proc, url = _start(tmp_path / "t.sqlite", "http://127.0.0.1:9")
+    good = advertise(me := NodeIdentity.generate(), _cap(me), pb.HealthReply(), seq=1, now=int(time.time()))
+    bodies = st.one_of(
+        st.binary(max_size=3000),
+        st.builds(lambda d: json.dumps({"digests": d}).encode(),
+                  st.lists(st.one_of(st.text(max_size=40), st.integers(), st.just("00" * 16)), max_size=300)),
+        st.builds(lambda ids: json.dumps({"ids": ids}).encode(),
+                  st.one_of(st.lists(st.text(max_size=80), max_size=50), st.integers(), st.none())),
+        st.builds(lambda envs: pb.RecordBatch(records=envs).SerializeToString(),
+                  st.lists(st.one_of(st.just(good), st.builds(pb.SignedEnvelope, payload=st.binary(max_size=200))),
+                           max_size=20)),
+    )
+    seen: list[int] = []
+    try:
+        @settings(max_examples=120, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(path=st.sampled_from(["digest", "fetch", "records", "nope"]), body=bodies)
+        def prop(path: str, body: bytes) -> None:
+            req = urllib.request.Request(f"{url}/api/sync/{path}", data=body)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    code = r.status
+                    r.read()
+            except urllib.error.HTTPError as e:
+                code = e.code
+                e.close()
+            assert code < 500, (path, body[:80], code)
+            seen.append(code)
+
+        prop()
+        assert 200 in seen
+        assert any(400 <= c < 500 for c in seen)
+        _register(url, other := NodeIdentity.generate())
+        assert other.node_id in _ids(url)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
