@@ -5,7 +5,6 @@ counts why, stores converge whatever order records arrive in, and 1,000 nodes' r
 from __future__ import annotations
 
 import random
-import statistics
 import time
 
 import pytest
@@ -23,17 +22,17 @@ from meshnode.proto import node_pb2 as pb
 MODEL = "ab" * 32
 
 
-def _cap(ident: NodeIdentity, now: int, a: int = 0, b: int = 15) -> pb.Capability:
-    return pb.Capability(node_id=ident.node_id, model_fingerprint=MODEL, model_name="m", n_layer=30,
+def _cap(ident: NodeIdentity, now: int, a: int = 0, b: int = 15, model: str = MODEL) -> pb.Capability:
+    return pb.Capability(node_id=ident.node_id, model_fingerprint=model, model_name="m", n_layer=30,
                          range=pb.LayerRange(start=a, end=b), range_digest="cd" * 32, endpoints=["198.18.0.1:7001"],
-                         attestation=attest(ident, fingerprint=MODEL, start=a, end=b, range_digest="cd" * 32,
+                         attestation=attest(ident, fingerprint=model, start=a, end=b, range_digest="cd" * 32,
                                             llama_build="x", now=now))
 
 
 def _record(ident: NodeIdentity, now: int, seq: int, *, ttl: int = 60, leaving: bool = False,
-            issued: int | None = None) -> pb.SignedEnvelope:
-    return advertise(ident, _cap(ident, now), pb.HealthReply(), seq=seq, now=now if issued is None else issued,
-                     ttl=ttl, leaving=leaving)
+            issued: int | None = None, model: str = MODEL) -> pb.SignedEnvelope:
+    return advertise(ident, _cap(ident, now, model=model), pb.HealthReply(), seq=seq,
+                     now=now if issued is None else issued, ttl=ttl, leaving=leaving)
 
 
 def test_every_bad_record_is_refused_with_its_reason() -> None:
@@ -127,21 +126,38 @@ def test_sync_sends_digests_then_only_what_differs() -> None:
     assert plan({"x": 2, "y": 1}, {"x": 1, "z": 5}) == (["z"], ["x", "y"])
 
 
-def _fleet(n: int, now: int) -> list[pb.SignedEnvelope]:
-    return [_record(NodeIdentity.generate(), now, 1, ttl=600) for _ in range(n)]
+def _fleet(n: int, now: int, models: int = 10) -> list[pb.SignedEnvelope]:
+    """``n`` nodes' records, spread over ``models`` models (each node carries its own model's records)."""
+    return [_record(NodeIdentity.generate(), now, 1, ttl=600, model=f"{i % models:064x}") for i in range(n)]
+
+
+def _model_of(env: pb.SignedEnvelope) -> str:
+    return pb.Advertisement.FromString(env.payload).capability.model_fingerprint
 
 
 async def _simulate(records: list[pb.SignedEnvelope], period: float, start: int) -> tuple[int, list[int]]:
-    """Each node registers with one tracker at random; the three trackers reconcile with each other every
-    ``period`` (virtual) seconds. Returns the sync periods until every tracker holds every record, and
-    the bytes of each period's rounds."""
+    """Each node registers with one tracker at random; every ``period`` (virtual) seconds the three
+    trackers reconcile with each other by digests, and each node takes from its tracker the records of
+    its model (what its carried directory does). Returns the sync periods until every tracker holds
+    every record and every node every record of its model, and the bytes of each period's rounds."""
     trackers = [RecordStore(), RecordStore(), RecordStore()]
     rng = random.Random(7)
-    for env in records:
-        trackers[rng.randrange(3)].offer(env, start)
+    mine = [rng.randrange(3) for _ in records]
+    nodes = [RecordStore() for _ in records]
+    for env, t, node in zip(records, mine, nodes, strict=True):
+        trackers[t].offer(env, start)
+        node.offer(env, start)  # its own record
     want = {pb.Advertisement.FromString(e.payload).capability.node_id for e in records}
+    by_model: dict[str, set[str]] = {}
+    for e in records:
+        by_model.setdefault(_model_of(e), set()).add(pb.Advertisement.FromString(e.payload).capability.node_id)
+
+    def converged() -> bool:
+        return all(set(t.records) == want for t in trackers) and all(
+            set(n.records) == by_model[_model_of(e)] for n, e in zip(nodes, records, strict=True))
+
     periods, sent = 0, []
-    while not all(set(t.records) == want for t in trackers):
+    while not converged():
         await trio.sleep(period)
         periods += 1
         now = start + int(trio.current_time())
@@ -150,27 +166,26 @@ async def _simulate(records: list[pb.SignedEnvelope], period: float, start: int)
             for j, peer in enumerate(trackers):
                 if i != j:
                     total += round_between(t, peer, now)
+        for env, t, node in zip(records, mine, nodes, strict=True):
+            for r in trackers[t].live(now, _model_of(env)):
+                total += r.size
+                node.offer(r.envelope, now)
         sent.append(total)
         assert periods <= 2, "records did not converge within two sync periods"
     return periods, sent
 
 
-def test_a_thousand_nodes_converge_across_three_trackers_within_two_sync_periods() -> None:
+def test_a_thousand_nodes_converge_across_three_trackers_and_the_nodes_within_two_sync_periods() -> None:
     now = int(time.time())
     records = _fleet(1000, now)
     clock = trio.testing.MockClock(autojump_threshold=0)
     periods, sent = trio.run(_simulate, records, 10.0, now, clock=clock)
     assert periods <= 2
-    assert sent[0] > sent[-1] or periods == 1
-    # a lookup of the model on any tracker now answers from memory: every node, none twice
+    assert all(b > 0 for b in sent)
+    # a lookup of a model from a store in memory: its nodes, none twice
     store = RecordStore()
     for env in records:
         store.offer(env, now)
-    t0 = time.perf_counter()
-    lookups = []
-    for _ in range(50):
-        t = time.perf_counter()
-        assert len(store.live(now, MODEL)) == 1000
-        lookups.append(time.perf_counter() - t)
-    assert statistics.median(lookups) >= 0  # measured, not asserted (docs/directory.md reports them)
-    assert time.perf_counter() >= t0
+    one = _model_of(records[0])
+    assert len(store.live(now, one)) == 100
+    assert len({r.node_id for r in store.live(now, one)}) == 100

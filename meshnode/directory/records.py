@@ -10,6 +10,8 @@ refusal has its reason, which stores count.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 from dataclasses import dataclass
 
 from meshnode import errors
@@ -57,6 +59,32 @@ def expiry(ad: pb.Advertisement) -> int:
     return int(ad.expires_at_unix) if ad.expires_at_unix else int(ad.issued_at_unix) + DEFAULT_LIFETIME
 
 
+class _Verified:
+    """Digests of envelopes whose signatures (and attestation) this process has verified: signatures
+    depend on the bytes alone, so a record many stores of one process see (a simulation, a node that
+    hears it from several peers) is verified once. Its times and seq are still checked each time."""
+
+    def __init__(self, most: int = 200_000) -> None:
+        self.most = most
+        #: digest -> until when the verdict holds (its attestation's expiry)
+        self.seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+
+    def has(self, key: bytes, now: int) -> bool:
+        until = self.seen.get(key)
+        if until is not None and now < until:
+            self.seen.move_to_end(key)
+            return True
+        return False
+
+    def add(self, key: bytes, until: int) -> None:
+        self.seen[key] = until
+        while len(self.seen) > self.most:
+            self.seen.popitem(last=False)
+
+
+_VERIFIED = _Verified()
+
+
 def check(env: pb.SignedEnvelope, *, now: int, known_seq: int | None = None, attest: bool = True) -> Record:
     """The record if a store may keep it: its size, signature and payload type, its signer the node it
     names, issued no later than ``CLOCK_SKEW`` ahead, not expired, living no longer than ``MAX_LIFETIME``,
@@ -65,8 +93,16 @@ def check(env: pb.SignedEnvelope, *, now: int, known_seq: int | None = None, att
     size = env.ByteSize()
     if size > MAX_RECORD_BYTES:
         raise RecordRefused("oversized", f"a record of {size} bytes is over {MAX_RECORD_BYTES}")
+    raw = env.SerializeToString(deterministic=True)
+    key = hashlib.sha256(raw).digest()
+    known = _VERIFIED.has(key, now)
     try:
-        ad = open_signed(env, ADVERT_TYPE, pb.Advertisement)
+        if known:
+            if env.payload_type != ADVERT_TYPE:  # (a verified envelope has it; kept for the reader)
+                raise errors.SignatureError("not an advertisement")
+            ad = pb.Advertisement.FromString(env.payload)
+        else:
+            ad = open_signed(env, ADVERT_TYPE, pb.Advertisement)
     except errors.SignatureError as e:
         raise RecordRefused("forged", str(e)) from None
     except errors.MeshnodeError as e:
@@ -84,12 +120,17 @@ def check(env: pb.SignedEnvelope, *, now: int, known_seq: int | None = None, att
         raise RecordRefused("malformed", f"a lifetime of {expires - issued} s (at most {MAX_LIFETIME})")
     if known_seq is not None and ad.seq <= known_seq:
         raise RecordRefused("stale", f"seq {ad.seq} is not newer than the {known_seq} kept")
-    if attest and not ad.leaving:
+    until = expires
+    if attest and not ad.leaving and not known:
         try:
-            verify_attestation(cap.attestation, now=now, fingerprint=cap.model_fingerprint, start=cap.range.start,
-                               end=cap.range.end, range_digest=cap.range_digest, node_id=cap.node_id)
+            att = verify_attestation(cap.attestation, now=now, fingerprint=cap.model_fingerprint,
+                                     start=cap.range.start, end=cap.range.end, range_digest=cap.range_digest,
+                                     node_id=cap.node_id)
+            until = min(expires, int(att.expires_at_unix))
         except errors.SignatureError as e:
             raise RecordRefused("forged", f"its attestation: {e}") from None
         except errors.MeshnodeError as e:
             raise RecordRefused("malformed", f"its attestation: {e}") from None
+    if (attest or ad.leaving) and not known:  # what was checked here whole is not checked again (until then)
+        _VERIFIED.add(key, until)
     return Record(cap.node_id, int(ad.seq), issued, expires, env, ad, size)
