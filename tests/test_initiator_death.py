@@ -71,8 +71,12 @@ async def test_ctrl_c_on_generate_releases_the_route_at_once(node_factory) -> No
     signed) before it exits 130, so no hop keeps the KV for the detach grace (30 s)."""
     nodes = [await trio.to_thread.run_sync(node_factory, layers) for layers in ("0:15", "15:30")]
     peers = [a for n in nodes for a in ("--peer", n.endpoint)]
-    cmd = [sys.executable, "-m", "meshnode", "generate", *peers, "--prompt", "Count: 1, 2, 3, 4,",
-           "--max-tokens", "8000", "--temperature", "0", "--stream", "--json"]
+    # the generate process gets SIGINT's default disposition whatever this one inherited (a test run started
+    # in the background by a shell without job control ignores SIGINT, and so would every child it starts)
+    reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execv(sys.executable, [sys.executable, '-m', 'meshnode', *sys.argv[1:]])")
+    cmd = [sys.executable, "-c", reset, "generate", *peers, "--prompt", "Count: 1, 2, 3, 4,",
+           "--max-tokens", "2000", "--temperature", "0", "--stream", "--json"]
     seen = trio.Event()
     lines: list[bytes] = []
 
