@@ -249,3 +249,16 @@ def cli(*args: str, timeout: float = 300) -> Any:
     import sys
 
     return subprocess.run([sys.executable, "-m", "meshnode", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def until(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
+    """Poll ``pred`` until it is true (returned) or ``timeout`` seconds pass (AssertionError naming ``what``);
+    for state only another process can show (no timing is asserted)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if got := pred():
+            return got
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")

@@ -16,7 +16,7 @@ from meshnode.proto import node_pb2 as pb
 from meshnode.runtime.launch import NodeProcess, start_node
 from meshnode.transport.aiothread import open_aio_thread
 from meshnode.transport.client import records
-from tests.conftest import PROMPT, cli
+from tests.conftest import PROMPT, cli, until
 from tests.test_directory import _record
 from tests.test_tracker import _start_tracker, _stop
 
@@ -37,12 +37,7 @@ def _ids(envs: list[pb.SignedEnvelope]) -> set[str]:
 
 
 def _until(pred, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"not within {WAIT:.0f}s: {what}")
+    until(pred, WAIT, what, every=0.3)
 
 
 def _node_id(state: Path) -> str:

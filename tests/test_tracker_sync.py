@@ -19,6 +19,7 @@ import trio
 from meshnode.identity import NodeIdentity
 from meshnode.identity.advert import advertise
 from meshnode.proto import node_pb2 as pb
+from tests.conftest import until
 from tests.test_tracker import FP, Browser, _cap, _post
 from tests.test_tracker import browser as browser  # the fixture
 
@@ -56,12 +57,7 @@ def _ids(url: str) -> set[str]:
 
 
 def _until(pred, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {WAIT:.0f}s: {what}")
+    until(pred, WAIT, what, every=0.2)
 
 
 def _register(url: str, me: NodeIdentity, seq: int = 1) -> None:
