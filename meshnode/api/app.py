@@ -4,6 +4,7 @@
     POST /v1/completions        raw completion; ``stream: true`` = server-sent events
     POST /v1/chat/completions   chat through the model's own template; streams the same way
     GET  /healthz               liveness
+    GET  /                      the chat page (meshnode/web/static/chat.html); its assets under /assets
 
 Each request runs one route session (``session.initiator.generate`` on the
 gateway's asyncio thread), chosen from the ``MeshView`` at that moment;
@@ -32,6 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from meshnode import errors
 from meshnode.api import schema
@@ -44,6 +46,7 @@ from meshnode.identity import NodeIdentity
 from meshnode.session.initiator import GenerateConfig, GenerationResult, generate
 from meshnode.session.sampling import random_seed
 from meshnode.transport.aiothread import AioThread
+from meshnode.web import asset_mount, page, secure
 
 log = logging.getLogger("meshnode.api")
 
@@ -84,12 +87,16 @@ class Gateway:
         #: which nodes passed their audits, for this process's life (docs/security.md, "A hop that lies")
         self.ledger = Ledger(None)
 
-    def asgi(self) -> Starlette:
-        routes = [Route("/v1/models", self.models, methods=["GET"]),
+    def asgi(self) -> ASGIApp:
+        routes = [Route("/", self.chat_page, methods=["GET"]), asset_mount(),
+                  Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/completions", functools.partial(self.answer, schema.parse_completion), methods=["POST"]),
                   Route("/v1/chat/completions", functools.partial(self.answer, schema.parse_chat), methods=["POST"]),
                   Route("/healthz", self.healthz, methods=["GET"])]
-        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+        return secure(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}))
+
+    async def chat_page(self, request: Request) -> Response:
+        return page("chat.html")
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"ok": True})
@@ -204,6 +211,7 @@ class Gateway:
         doc = answer.whole("".join(pieces), result.stop_reason, len(result.prompt_tokens), len(result.tokens))
         if result.draft:  # meshnode's extension: what speculative decoding did for this answer
             doc["draft"] = result.draft
+        doc["meshnode"] = schema.served(result)
         return JSONResponse(doc)
 
     async def _sse(self, answer: schema.Answer, job: schema.Job, first: Event,
@@ -221,7 +229,9 @@ class Gateway:
                     yield _sse(schema.error_doc(event[1].message, kind, event[1].code))
                 else:
                     result: GenerationResult = event[1]
-                    yield _sse(answer.chunk(None, schema.finish_reason(result.stop_reason), first=not opened))
+                    # the last chunk carries meshnode's extension: the route that served it, its speed
+                    yield _sse(answer.chunk(None, schema.finish_reason(result.stop_reason), first=not opened)
+                               | {"meshnode": schema.served(result)})
                     if job.include_usage:
                         yield _sse(answer.usage_chunk(len(result.prompt_tokens), len(result.tokens)))
             if scope.cancelled_caught:

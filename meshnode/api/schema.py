@@ -17,10 +17,13 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshnode import errors
 from meshnode.executor.sampler import SamplingParams
+
+if TYPE_CHECKING:  # the schema stays importable without the session machinery
+    from meshnode.session.initiator import GenerationResult
 
 #: sampling fields: (JSON name, SamplingParams field, type)
 _SAMPLING = (("temperature", "temperature", float), ("top_p", "top_p", float), ("top_k", "top_k", int),
@@ -241,6 +244,15 @@ class Answer:
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         return self._doc([], chunk=True) | {"usage": usage(prompt_tokens, completion_tokens)}
+
+
+def served(result: GenerationResult) -> dict[str, Any]:
+    """meshnode's extension of an answer (key ``meshnode``; OpenAI clients ignore it): the route
+    that served it, head first, each hop's node id, endpoint and layers, and how fast it went."""
+    rate = result.decode_tokens_per_second()
+    return {"route": result.route_hops, "decode_tokens_per_second": round(rate, 2) if rate is not None else None,
+            "prefill_seconds": round(result.prefill_seconds, 4), "decode_seconds": round(result.decode_seconds, 4),
+            "tokens": len(result.tokens), "failovers": len(result.failovers)}
 
 
 # -- errors -------------------------------------------------------------------------------------

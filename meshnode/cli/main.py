@@ -386,14 +386,12 @@ def _print_result(result: object, as_json: bool, streamed: bool = False) -> None
 
     assert isinstance(result, GenerationResult)
     if as_json:
-        n = len(result.tokens)
+        rate = result.decode_tokens_per_second()
         print(json.dumps({
             "text": result.text, "tokens": result.tokens, "prompt_tokens": result.prompt_tokens,
             "stop_reason": result.stop_reason, "route": result.route,
             "prefill_seconds": round(result.prefill_seconds, 6), "decode_seconds": round(result.decode_seconds, 6),
-            "decode_tokens_per_second": (
-                round((n - 1) / result.decode_seconds, 2) if n > 1 and result.decode_seconds else None
-            ),
+            "decode_tokens_per_second": round(rate, 2) if rate is not None else None,
             "failovers": result.failovers, "seed": result.seed, "audit": result.audit, "draft": result.draft,
             "hops": result.hops,
         }))

@@ -145,6 +145,13 @@ class GenerationResult:
     draft: dict[str, int] = field(default_factory=dict)
     #: where a decoded token's time went, per hop (session/profile.py)
     hops: dict[str, object] = field(default_factory=dict)
+    #: the route that finished the answer, head first: endpoint, node id and layers [start, end) of each hop
+    route_hops: list[dict[str, object]] = field(default_factory=list)
+
+    def decode_tokens_per_second(self) -> float | None:
+        """Decoded tokens a second after the first (which the prefill made); None with fewer than two."""
+        n = len(self.tokens)
+        return (n - 1) / self.decode_seconds if n > 1 and self.decode_seconds > 0 else None
 
 
 @dataclass
@@ -612,6 +619,8 @@ class _Run:
             failovers=[{k: v for k, v in asdict(f).items() if k != "detected_at"} for f in self.failovers],
             seed=seed_of(cfg), audit=self._audit_summary(), draft=dict(self.draft_stats),
             hops=self.clock.table(decode),
+            route_hops=[{"endpoint": p, "node_id": c.node_id, "layers": [c.range.start, c.range.end]}
+                        for p, c in zip(rs.peers, rs.caps, strict=True)],
         )
 
     def _pipeline(self) -> bool:
