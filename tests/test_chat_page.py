@@ -12,6 +12,7 @@ labelled and reachable from the keyboard.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import re
@@ -324,3 +325,55 @@ def test_the_page_is_served_by_a_node_with_api_too(chromium: Any, node_factory: 
         whole_answer(url, p.sent[0])["choices"][0]["message"]["content"]
     assert p.violations() == []
     p.context.close()
+
+
+def test_fuzz_the_pages_and_assets_from_outside(route2: list[NodeProcess]) -> None:
+    """Random paths, methods and headers at / and /assets: never a 5xx, never a byte from outside
+    meshnode/web/static, the policy on every answer; the API answers a real request afterwards."""
+    from urllib.parse import quote
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from meshnode.web.assets import STATIC
+
+    served = {f.read_bytes() for f in STATIC.rglob("*") if f.is_file()}
+    segment = st.one_of(st.sampled_from(["..", ".", "%2e%2e", "%2f", "vendor", "chat.js", "LICENSE.uplot", "",
+                                         "%00", "..%2f..%2fapp.py", "a" * 300]),
+                        st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12).map(
+                            lambda t: quote(t, safe="")))
+    proc, url = start_api([n.endpoint for n in route2])
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(prefix=st.sampled_from(["/", "/assets/", "/assets/vendor/"]),
+               parts=st.lists(segment, max_size=4),
+               method=st.sampled_from(["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS"]),
+               range_=st.one_of(st.none(), st.sampled_from(["bytes=0-10", "bytes=-5", "bytes=9999999-",
+                                                            "bytes=5-1", "bytes=0-1,3-4,6-7", "items=1-2",
+                                                            "bytes=" + "1-2," * 500])),
+               etag=st.one_of(st.none(), st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7e),
+                                                 max_size=40)))
+        def one(prefix: str, parts: list[str], method: str, range_: str | None, etag: str | None) -> None:
+            headers = {k: v for k, v in (("Range", range_), ("If-None-Match", etag)) if v is not None}
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)  # raw paths: no client-side cleanup
+            try:
+                conn.request(method, prefix + "/".join(parts), headers=headers)
+                r = conn.getresponse()
+                body = r.read()
+            finally:
+                conn.close()
+            assert r.status < 500, (method, prefix, parts, r.status, body[:200])
+            assert r.getheader("content-security-policy") == CSP
+            if r.status == 200 and method == "GET" and "Range" not in headers and \
+                    (r.getheader("content-type") or "").split(";")[0] != "application/json":
+                assert body in served, (prefix, parts)
+
+        one()
+        assert httpx.get(url + "/v1/models", timeout=30).json()["data"]  # still serving
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        assert proc.stdout is not None
+        proc.stdout.close()
