@@ -877,6 +877,7 @@ class HealthReply(_message.Message):
     STEP_SECONDS_MEAN_FIELD_NUMBER: _builtins.int
     DETACHED_SESSIONS_FIELD_NUMBER: _builtins.int
     BATCHES_TOTAL_FIELD_NUMBER: _builtins.int
+    ROUTES_FIELD_NUMBER: _builtins.int
     serving: _builtins.bool
     """accepting new sessions"""
     live_sessions: _builtins.int
@@ -895,6 +896,14 @@ class HealthReply(_message.Message):
     """sessions whose stream broke, KV kept for a resume"""
     batches_total: _builtins.int
     """llama_decode calls (steps_total / batches_total = mean batch size)"""
+    @_builtins.property
+    def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouteInUse]:
+        """The routes of the sessions this node is the head of, now (audits left out): one entry per
+        distinct route, the busiest first, at most 32 (meshnode/session/host.py MAX_ROUTES_IN_USE).
+        A tracker or gateway draws them on its map (docs/tracker.md); a reader ignores node ids it
+        does not know and caps every length.
+        """
+
     def __init__(
         self,
         *,
@@ -907,14 +916,43 @@ class HealthReply(_message.Message):
         step_seconds_mean: _builtins.float = ...,
         detached_sessions: _builtins.int = ...,
         batches_total: _builtins.int = ...,
+        routes: _abc.Iterable[Global___RouteInUse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_total", b"batches_total", "detached_sessions", b"detached_sessions", "errors_total", b"errors_total", "free_sessions", b"free_sessions", "live_sessions", b"live_sessions", "serving", b"serving", "step_seconds_mean", b"step_seconds_mean", "steps_total", b"steps_total", "tokens_total", b"tokens_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_total", b"batches_total", "detached_sessions", b"detached_sessions", "errors_total", b"errors_total", "free_sessions", b"free_sessions", "live_sessions", b"live_sessions", "routes", b"routes", "serving", b"serving", "step_seconds_mean", b"step_seconds_mean", "steps_total", b"steps_total", "tokens_total", b"tokens_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HealthReply: _TypeAlias = HealthReply  # noqa: Y015
+
+@_typing.final
+class RouteInUse(_message.Message):
+    """One route some sessions run through, as its head sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOPS_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    sessions: _builtins.int
+    """live sessions on exactly this route"""
+    @_builtins.property
+    def hops(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the hops' node ids in layer order, the head (the reporter) first; at most 64"""
+
+    def __init__(
+        self,
+        *,
+        hops: _abc.Iterable[_builtins.str] | None = ...,
+        sessions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hops", b"hops", "sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RouteInUse: _TypeAlias = RouteInUse  # noqa: Y015
 
 @_typing.final
 class Fragment(_message.Message):

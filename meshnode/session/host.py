@@ -32,6 +32,7 @@ from meshnode.session import admission
 from meshnode.session.admission import Recent
 from meshnode.session.flow import Flow
 from meshnode.session.hop import HopLimits, HopSession
+from meshnode.session.inuse import is_head, routes_in_use
 from meshnode.session.replies import Control, ReplyWriter, Stream
 from meshnode.wire import codec
 
@@ -87,7 +88,14 @@ class SessionHost:
         return pb.HealthReply(serving=self.serving, live_sessions=ex.live_slots, free_sessions=ex.free_slots,
                               steps_total=ex.steps_total, tokens_total=m.tokens_total(),
                               errors_total=m.errors_total(), step_seconds_mean=m.step_seconds_mean(),
-                              detached_sessions=len(self.detached), batches_total=ex.batches_total)
+                              detached_sessions=len(self.detached), batches_total=ex.batches_total,
+                              routes=routes_in_use(self._headed()))
+
+    def _headed(self) -> list[tuple[str, ...]]:
+        """The routes of the live sessions this node is the head of: itself, then their downstream hops."""
+        own = self.ident.node_id
+        return [(own, *(h.node_id for h in s.open_msg.downstream)) for s in self.sessions.values()
+                if s.open_msg is not None and is_head(s.route_open)]
 
     def authorize(self, env: pb.SignedEnvelope, sid: str, action: str, work: str) -> None:
         """Only the session's initiator may release or cancel it: the control's own error if it does not
