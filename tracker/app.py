@@ -7,7 +7,13 @@
     POST /api/evidence   body: a SignedEnvelope(Evidence): a report that a hop lied (tracker/evidence.py)
     POST /api/sync/...   records from and to peer trackers (``--peer``; tracker/peering.py)
     GET  /api/evidence/ID   its verdict (ID: the sha256 of the body)
-    GET  /               the status page (auto-refreshing, reads /api/status)
+    GET  /api/series?window=SECONDS&step=SECONDS   tokens/s per node and per model over the last 15 minutes
+                         (meshnode/web/mapseries.py), for the page's charts
+    GET  /               the status page and mesh map (meshnode/web/static/tracker.html; it reads /api/status
+                         every 2 s and /api/series every 5 s); its scripts and styles under /assets
+
+Every answer carries a Content-Security-Policy that allows only the page's own scripts, styles and
+fetches (``meshnode.web.secure``): no inline script or style anywhere.
 
 Every registration is verified (signature, signer = node id, attestation,
 freshness, seq strictly newer); a forgery or replay is refused with 403 and
@@ -29,20 +35,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from meshnode import errors
 from meshnode.audit.evidence import MAX_EVIDENCE_BYTES
 from meshnode.directory.records import RecordRefused, check
-from meshnode.http.serve import NO_STORE, asgi_app, error_response, json_response, read_body
+from meshnode.http.serve import asgi_app, error_response, json_response, read_body
 from meshnode.identity.advert import verify_advert
 from meshnode.proto import node_pb2 as pb
+from meshnode.web import asset_mount, mapseries, page, secure
 from tracker import views
 from tracker.evidence import Verifier
 from tracker.limits import RateTable
-from tracker.page import PAGE
 from tracker.peering import MAX_SYNC_BODY, Peering
 from tracker.registry import Registry
 
@@ -77,7 +83,7 @@ class Tracker:
 
     def asgi(self) -> ASGIApp:
         """The ASGI app (served by ``meshnode.http.serve.serve_asgi``): every request goes to ``handle``."""
-        return asgi_app([Route("/{path:path}", self.handle, methods=METHODS)])
+        return secure(asgi_app([asset_mount(), Route("/{path:path}", self.handle, methods=METHODS)]))
 
     async def handle(self, req: Request) -> Response:
         route = (req.method, req.url.path)
@@ -104,17 +110,30 @@ class Tracker:
             doc = views.status(views.current(self.registry, now, full=views.MAX_NODES_SHOWN))
             peers = self.peering.view() if self.peering is not None else []
             return json_response({**doc, "misbehaving": views.marks(self.registry, now), "peers": peers,
-                                  "refused": dict(self.refused),
+                                  "refused": dict(self.refused), "routes": views.routes_in_use(self.registry, now),
                                   "records": len(self.peering.mirror.records) if self.peering else None})
         if route == ("GET", "/api/lookup"):
             query = req.query_params.get("model", "")
             found = views.current(self.registry, time.time(), query, full=views.MAX_LOOKUP)
             return json_response(views.lookup(found, query))
+        if route == ("GET", "/api/series"):
+            return self.series(req)
         if route == ("GET", "/"):
-            return HTMLResponse(PAGE, headers=NO_STORE)
+            return page("tracker.html")
         if route == ("GET", "/healthz"):
             return json_response({"ok": True})
         return error_response(404, "NOT_FOUND", f"no route {req.method} {req.url.path}")
+
+    def series(self, req: Request) -> Response:
+        """Tokens/s per node and per model (meshnode/web/mapseries.py); 400 for a window or step that is not
+        a number (numbers are clamped to what is kept)."""
+        try:
+            window, step = mapseries.parse_window(req.query_params.get("window"), req.query_params.get("step"))
+        except ValueError as e:
+            return error_response(400, errors.InputError.code, f"window and step are seconds: {e}")
+        now = time.time()
+        doc = mapseries.series_doc(self.registry.series, views.charted(self.registry, now), now, window, step)
+        return json_response(doc)
 
     async def evidence(self, req: Request) -> Response:
         """A report that a hop lied: rate-limited per source before anything is read, then verified."""
@@ -185,6 +204,8 @@ class Tracker:
             log.info("node %s (never reached by a probe) makes room for %s", slot.evict, node_id)
             self.registry.remove(slot.evict)
         self.registry.register(env, ad, now, source)
+        if not from_peer and not ad.leaving:  # a heartbeat's counters, fresh now: a sample for the charts
+            self.registry.series.add(node_id, now, ad.health.tokens_total)
         if self.peering is not None:
             self.peering.learned(env, now, from_peer=from_peer)
         return json_response({"ok": True, "ttl": self.registry.ttl, "leaving": ad.leaving})

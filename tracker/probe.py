@@ -12,7 +12,8 @@ Only endpoints of registrations the tracker verified are probed, only in
 plain ``HOST:PORT`` form, each at most once per round; at most
 ``max_in_flight`` probes run at once. The Health answer also carries the
 node's live counters, which the page shows when they are newer than the
-last heartbeat's.
+last heartbeat's, and each one is a sample of the node's token counter for
+the page's charts (``Registry.series``).
 
 gRPC's asyncio API has no trio support: the probes run on an asyncio loop on
 a thread of its own (meshnode/transport/aiothread.py, the node's bridge), and
@@ -32,7 +33,7 @@ import trio
 from meshnode import errors
 from meshnode.transport.aiothread import AioRun, open_aio_thread
 from meshnode.transport.client import health
-from tracker.liveness import Probe, ProbeBook, Target, pick
+from tracker.liveness import Probe, Target, pick
 from tracker.registry import Registry
 
 log = logging.getLogger("meshnode.tracker.probe")
@@ -95,11 +96,14 @@ async def probe_once(aio: AioRun, endpoint: str, timeout: float, node_id: str | 
     return Probe(at, True, health=reply, seconds=time.perf_counter() - t0)
 
 
-async def _probe(book: ProbeBook, target: Target, aio: AioRun, timeout: float, busy: set[str],
+async def _probe(registry: Registry, target: Target, aio: AioRun, timeout: float, busy: set[str],
                  plaintext: bool) -> None:
+    book = registry.probes
     try:
         probe = await probe_once(aio, target.endpoint, timeout, target.node_id, plaintext)
         book.record(target.node_id, target.endpoint, probe)
+        if probe.ok and probe.health is not None:  # a sample for the charts (meshnode/web/mapseries.py)
+            registry.series.add(target.node_id, probe.at, probe.health.tokens_total, probed=True)
         if not probe.ok and book.states[target.node_id].failures == book.fail_limit:
             log.info("node %s at %s stopped answering: %s", target.node_id[:12], target.endpoint, probe.error)
     finally:
@@ -110,13 +114,14 @@ def start_round(nursery: trio.Nursery, registry: Registry, aio: AioRun, busy: se
     """Start this round's probes in ``nursery``; returns how many were started."""
     entries = registry.live(time.time())
     registry.probes.keep(e.node_id for e in entries)
+    registry.series.keep(e.node_id for e in entries)
     room = max(0, config.max_in_flight - len(busy))
     candidates = [(e.node_id, e.advert.capability.endpoints[0]) for e in entries if e.advert.capability.endpoints]
     targets = pick(candidates, registry.probes.states, busy, min(config.max_per_round, room))
     plain = {e.node_id for e in entries if e.advert.capability.insecure}
     for t in targets:
         busy.add(t.node_id)
-        nursery.start_soon(_probe, registry.probes, t, aio, config.timeout, busy, t.node_id in plain)
+        nursery.start_soon(_probe, registry, t, aio, config.timeout, busy, t.node_id in plain)
     return len(targets)
 
 

@@ -5,7 +5,8 @@ envelope; the row keeps the exact signed bytes, so a lookup hands clients
 what the node signed, for them to verify again.
 
 Next to the rows, ``probes`` holds what the tracker's own probes found
-(tracker/probe.py): in memory only, since a restarted tracker probes again
+(tracker/probe.py), and ``series`` the samples of each node's token counter
+for the charts: in memory only, since a restarted tracker probes again
 within seconds.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from meshnode.identity.attest import CLOCK_SKEW
 from meshnode.proto import node_pb2 as pb
+from meshnode.web.mapseries import SeriesBook
 from tracker.limits import Bounds, RateTable, Slot, place
 from tracker.liveness import FAIL_LIMIT, ProbeBook
 
@@ -134,6 +136,8 @@ class Registry:
         self.rates = RateTable(self.bounds.per_source_per_minute / 60.0, self.bounds.per_source_burst)
         #: the prober's findings per node id (tracker/liveness.py)
         self.probes = ProbeBook(fail_limit)
+        #: samples of each node's tokens_total for the charts (meshnode/web/mapseries.py): in memory only
+        self.series = SeriesBook()
         self.db = sqlite3.connect(str(path))
         self.db.executescript(SCHEMA)
         now = time.time()
@@ -195,6 +199,7 @@ class Registry:
             self.db.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
         self._index.drop(node_id)
         self.probes.states.pop(node_id, None)
+        self.series.tracks.pop(node_id, None)
 
     def register(self, env: pb.SignedEnvelope, ad: pb.Advertisement, now: float, source: str = "") -> None:
         nid = ad.capability.node_id
@@ -228,6 +233,7 @@ class Registry:
             with self.db:
                 self.db.execute("DELETE FROM seqs WHERE at < ?", (now - SEQ_MEMORY,))
             self.probes.keep(self._index.entries)
+            self.series.keep(self._index.entries)
 
     def live(self, now: float, models: Callable[[Entry], bool] | None = None) -> list[Entry]:
         """The entries heard from within the TTL, by node id; with ``models``, only those of the models it

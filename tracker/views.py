@@ -7,6 +7,9 @@ from typing import Any
 
 from meshnode.routing.assign import coverage as layer_coverage
 from meshnode.routing.assign import model_matches
+from meshnode.web import mapdoc
+from meshnode.web.mapdoc import Known
+from meshnode.web.mapseries import Charted
 from tracker.liveness import FAIL_LIMIT, ProbeState, alive, freshest, judge
 from tracker.registry import Entry, Mark, Registry
 
@@ -237,3 +240,36 @@ def status(views: list[dict[str, Any]]) -> dict[str, Any]:
     return {"models": sorted(shown, key=lambda m: m["name"]), "nodes": views[:MAX_NODES_SHOWN],
             "omitted": {"nodes": max(0, len(views) - MAX_NODES_SHOWN),
                         "models": max(0, len(models) - MAX_MODELS_SHOWN)}}
+
+
+def known_nodes(registry: Registry, now: float) -> dict[str, Known]:
+    """Every registered node's model and range: what a reported route is checked against."""
+    return {e.node_id: Known(e.advert.capability.model_fingerprint, e.advert.capability.range.start,
+                             e.advert.capability.range.end) for e in registry.live(now)}
+
+
+def routes_in_use(registry: Registry, now: float) -> list[dict[str, Any]]:
+    """The routes in use (meshnode/web/mapdoc.py): what the live heads reported in their freshest counters
+    (the last probe's or heartbeat's), checked against the registered nodes; a dead or misbehaving
+    reporter's are left out."""
+    ttl, limit = registry.ttl, registry.probes.fail_limit
+    reports = []
+    for e in registry.live(now):
+        probe = registry.probes.get(e.node_id, e.endpoint)
+        if e.node_id in registry.marks or not alive(probe, e.last_seen, now, ttl, limit):
+            continue
+        health = freshest(e.advert.health, e.last_seen, probe).health
+        if health.routes:
+            reports.append((e.node_id, health.routes))
+    return mapdoc.routes(reports, known_nodes(registry, now))
+
+
+def charted(registry: Registry, now: float) -> list[Charted]:
+    """The nodes with a line in the charts: every registered one with samples (its model, whether it
+    serves the model's last layer)."""
+    out = []
+    for e in registry.live(now):
+        cap = e.advert.capability
+        if e.node_id in registry.series.tracks:
+            out.append(Charted(e.node_id, cap.model_fingerprint, cap.model_name, cap.range.end == cap.n_layer))
+    return out
