@@ -15,7 +15,8 @@ Two kinds of evidence reach the tracker:
    not call it dead while it keeps heartbeating;
 3. ``fail_limit`` consecutive failed probes, and no heartbeat since the
    latest of them started: dead (a SIGKILLed node is shown dead within
-   about ``fail_limit`` probe periods, not when its TTL ends);
+   a probe period and a retry -- tracker/probe.py probes a failing node
+   again at once -- not when its TTL ends);
 4. otherwise alive. A later successful probe resets the failure count; a
    heartbeat after the last failed probe revives the node until the next
    probe fails.

@@ -6,7 +6,10 @@ schedule) takes the registry's live entries, picks at most
 ``max_per_round`` of them, least recently probed first, and starts one
 probe task per node. A round never waits for its probes: a node that is
 slow to answer holds only its own probe (at most one in flight per node,
-each bounded by ``timeout``), and every other node is probed on time.
+each bounded by ``timeout``), and every other node is probed on time. A
+node that answered before and fails a probe is probed again ``retry``
+seconds later (not a round later) until it answers or is dead, so a killed
+node is dead within about ``every + retry`` seconds.
 
 Only endpoints of registrations the tracker verified are probed, only in
 plain ``HOST:PORT`` form, each at most once per round; at most
@@ -33,7 +36,7 @@ import trio
 from meshnode import errors
 from meshnode.transport.aiothread import AioRun, open_aio_thread
 from meshnode.transport.client import health
-from tracker.liveness import Probe, Target, pick
+from tracker.liveness import Probe, ProbeState, Target, pick
 from tracker.registry import Registry
 
 log = logging.getLogger("meshnode.tracker.probe")
@@ -54,6 +57,10 @@ class ProbeConfig:
     max_in_flight: int = 32
     #: nodes one round probes at most (the least recently probed first)
     max_per_round: int = 256
+    #: seconds after a failed probe of a node that had answered before until it is probed again, until it
+    #: answers or is dead (``fail_limit`` failures): a node killed is shown dead within about
+    #: ``every + retry`` seconds, not ``fail_limit`` rounds; 0: no early probe
+    retry: float = 0.5
 
 
 #: what gRPC's long UNAVAILABLE details mean, in the page's words (the first that occurs wins)
@@ -96,16 +103,27 @@ async def probe_once(aio: AioRun, endpoint: str, timeout: float, node_id: str | 
     return Probe(at, True, health=reply, seconds=time.perf_counter() - t0)
 
 
-async def _probe(registry: Registry, target: Target, aio: AioRun, timeout: float, busy: set[str],
+def again(state: ProbeState, fail_limit: int, retry: float) -> bool:
+    """Probe once more, ``retry`` seconds on, before the next round: the node answered before, its last probe
+    failed, and it is not dead yet (a failure confirmed at once, or cleared at once). Pure."""
+    return retry > 0 and state.last_ok is not None and 0 < state.failures < fail_limit
+
+
+async def _probe(registry: Registry, target: Target, aio: AioRun, config: ProbeConfig, busy: set[str],
                  plaintext: bool) -> None:
     book = registry.probes
     try:
-        probe = await probe_once(aio, target.endpoint, timeout, target.node_id, plaintext)
-        book.record(target.node_id, target.endpoint, probe)
-        if probe.ok and probe.health is not None:  # a sample for the charts (meshnode/web/mapseries.py)
-            registry.series.add(target.node_id, probe.at, probe.health.tokens_total, probed=True)
-        if not probe.ok and book.states[target.node_id].failures == book.fail_limit:
-            log.info("node %s at %s stopped answering: %s", target.node_id[:12], target.endpoint, probe.error)
+        while True:
+            probe = await probe_once(aio, target.endpoint, config.timeout, target.node_id, plaintext)
+            book.record(target.node_id, target.endpoint, probe)
+            if probe.ok and probe.health is not None:  # a sample for the charts (meshnode/web/mapseries.py)
+                registry.series.add(target.node_id, probe.at, probe.health.tokens_total, probed=True)
+            state = book.states[target.node_id]
+            if not probe.ok and state.failures == book.fail_limit:
+                log.info("node %s at %s stopped answering: %s", target.node_id[:12], target.endpoint, probe.error)
+            if not again(state, book.fail_limit, config.retry):
+                return
+            await trio.sleep(config.retry)  # still busy: no round probes it meanwhile
     finally:
         busy.discard(target.node_id)
 
@@ -121,7 +139,7 @@ def start_round(nursery: trio.Nursery, registry: Registry, aio: AioRun, busy: se
     plain = {e.node_id for e in entries if e.advert.capability.insecure}
     for t in targets:
         busy.add(t.node_id)
-        nursery.start_soon(_probe, registry, t, aio, config.timeout, busy, t.node_id in plain)
+        nursery.start_soon(_probe, registry, t, aio, config, busy, t.node_id in plain)
     return len(targets)
 
 

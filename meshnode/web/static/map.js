@@ -173,6 +173,7 @@ const MeshMap = (() => {
       this.box.dataset.points = String(points);
       this.box.dataset.lines = String(drawn.length + 1);
       this.box.dataset.latest = String(lastValue(m.tokens_per_second));
+      this.box.dataset.peak = String(Math.max(0, ...m.tokens_per_second.filter(v => v !== null)));
       this.box.setAttribute("aria-label", "tokens per second of " + name + " over the last " +
                             Math.round(doc.window_seconds / 60) + " minutes");
       const more = m.nodes.length - drawn.length;
@@ -223,21 +224,25 @@ const MeshMap = (() => {
                         el("h3", {}, "tokens/s, last 15 minutes"), box, note, c.tail);
           this.cards.set(m.fingerprint, c);
         }
+        order.push(c);
+      }
+      for (const [fp, c] of this.cards) if (!seen.has(fp)) { c.chart.destroy(); this.cards.delete(fp); }
+      // in the status's order, moving only what is out of place (a focused element keeps its focus); in the
+      // document before they are drawn: the map takes the width of its box
+      order.forEach((c, i) => { if (this.container.children[i] !== c.root) this.container.insertBefore(c.root,
+        this.container.children[i] || null); });
+      while (this.container.children.length > order.length) this.container.lastChild.remove();
+      status.models.forEach((m, i) => {
+        const c = order[i];
         c.root.className = "model" + (m.covered ? "" : " lost");
         c.head.replaceWith(c.head = headline(m));
         c.caught.replaceChildren(...(m.misbehaving || []).map(id => el("div", {class: "bad", "data-k": "misbehaving"},
           "misbehaving: ", el("code", {}, short(id)), " " + lied(byId[id]) + "; it covers nothing")));
         const mine = routes.filter(r => r.model === m.fingerprint);
-        c.map.replaceChildren(drawMap(m, byId, mine, c.map.clientWidth || this.container.clientWidth));
+        c.map.replaceChildren(drawMap(m, byId, mine, c.map.clientWidth));
         c.routes.replaceChildren(routeList(mine));
         if (this.extra) this.extra(m, c.tail, byId);
-        order.push(c.root);
-      }
-      for (const [fp, c] of this.cards) if (!seen.has(fp)) { c.chart.destroy(); this.cards.delete(fp); }
-      // in the status's order, moving only what is out of place (a focused element keeps its focus)
-      order.forEach((root, i) => { if (this.container.children[i] !== root) this.container.insertBefore(root,
-        this.container.children[i] || null); });
-      while (this.container.children.length > order.length) this.container.lastChild.remove();
+      });
     }
     charts(doc) {
       this.series = doc;
