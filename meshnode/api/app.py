@@ -37,6 +37,7 @@ from starlette.types import ASGIApp
 
 from meshnode import errors
 from meshnode.api import schema
+from meshnode.api.mapview import map_routes
 from meshnode.api.mesh import MeshView
 from meshnode.audit.policy import Ledger
 from meshnode.discovery.tracker_client import urls_of
@@ -92,7 +93,8 @@ class Gateway:
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/completions", functools.partial(self.answer, schema.parse_completion), methods=["POST"]),
                   Route("/v1/chat/completions", functools.partial(self.answer, schema.parse_chat), methods=["POST"]),
-                  Route("/healthz", self.healthz, methods=["GET"])]
+                  Route("/healthz", self.healthz, methods=["GET"]),
+                  *map_routes(self)]  # the mesh map: /map, /v1/mesh, /v1/mesh/series (meshnode/api/mapview.py)
         return secure(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}))
 
     async def chat_page(self, request: Request) -> Response:

@@ -67,6 +67,8 @@ class MeshView:
         self.table = PeerTable(ttl=max(3 * source.refresh, 6.0))
         #: sessions this gateway has open per endpoint, so concurrent requests spread over replicas
         self.load: dict[str, int] = {}
+        #: sessions this gateway has open per route (its hops' endpoints, in layer order): the map's routes in use
+        self.routes: dict[tuple[str, ...], int] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the table fed until cancelled; started once every source was read once."""
@@ -145,9 +147,15 @@ class MeshView:
     def hold(self, endpoints: Sequence[str]) -> None:
         for e in endpoints:
             self.load[e] = self.load.get(e, 0) + 1
+        key = tuple(endpoints)
+        self.routes[key] = self.routes.get(key, 0) + 1
 
     def unhold(self, endpoints: Sequence[str]) -> None:
         for e in endpoints:
             self.load[e] -= 1
             if not self.load[e]:
                 del self.load[e]
+        key = tuple(endpoints)
+        self.routes[key] -= 1
+        if not self.routes[key]:
+            del self.routes[key]
