@@ -185,8 +185,8 @@ def test_the_tracker_map_shows_bars_routes_charts_and_a_killed_node_dead_within_
         status = _get(url + "/api/status")
         assert status["routes"] == [{"model": status["models"][0]["fingerprint"], "hops": [h, t], "sessions": 1}]
         # the chart: tokens/s of the model (its tail) from the probes' samples, drawn by uPlot
-        shown = wide.until(lambda s: s["models"][0]["latest"] > 0 and s["models"][0]["canvas"],
-                           "tokens/s charted", timeout=90)
+        shown = wide.until(lambda s: s["models"][0]["points"] >= 3 and s["models"][0]["latest"] > 0
+                           and s["models"][0]["canvas"], "tokens/s charted (3 buckets: a line)", timeout=90)
         series = _get(url + "/api/series")
         fp = status["models"][0]["fingerprint"]
         assert series["models"][fp]["tails"] == [t]

@@ -4,9 +4,12 @@ heads' reports (meshnode/web/mapdoc.py, meshnode/session/inuse.py), hostile inpu
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
+from meshnode.api.mapview import ERROR_CHARS, FORGET_AFTER, MAX_KNOWN, Probed, own_reports, probed, remember, verdict
+from meshnode.discovery.table import PeerEntry
 from meshnode.proto import node_pb2 as pb
 from meshnode.session.inuse import MAX_HOPS_IN_USE, MAX_ROUTES_IN_USE, is_head, routes_in_use
 from meshnode.web import mapdoc, mapseries
@@ -179,3 +182,42 @@ def test_models_cover_with_live_nodes_only():
     (m,) = mapdoc.models([n("h", 0, 15), n("t", 15, 30, alive=False)])
     assert (m["covered"], m["gaps"], m["dead_count"], m["node_count"]) == (False, [[15, 30]], 1, 2)
     assert m["nodes"] == ["h", "t"]  # live first
+
+
+# -- the API's map: its own calls' verdicts, what it remembers -----------------------------
+
+
+def _entry(nid: str, endpoint: str = "127.0.0.1:1") -> PeerEntry:
+    cap = pb.Capability(node_id=nid, model_fingerprint="fp", model_name="m", n_layer=30,
+                        range=pb.LayerRange(start=0, end=30))
+    return PeerEntry(nid, endpoint, cap, "static", 0.0)
+
+
+def test_the_apis_verdicts():
+    assert verdict(False, Probed()) == (False, "dropped out of this gateway's table")
+    failed = probed(probed(Probed(), 1.0, pb.HealthReply()), 3.0, None, "connection refused")
+    assert (failed.failures, failed.last_ok, failed.error) == (1, 1.0, "connection refused")
+    assert verdict(True, failed)[0] is True  # one failure: not dead yet
+    dead = probed(failed, 5.0, None, "x" * 500)
+    assert verdict(True, dead) == (False, "2 Health calls failed: " + "x" * ERROR_CHARS)
+    assert verdict(True, probed(dead, 7.0, pb.HealthReply())) == (True, "answers Health")  # an answer resets it
+    assert verdict(True, Probed())[0] is True  # in the table, not called yet
+
+
+def test_the_api_remembers_dropped_nodes_for_a_while_and_a_bounded_number():
+    known = remember({}, {"a": _entry("a"), "b": _entry("b")}, 100.0)
+    known["a"] = replace(known["a"], probe=Probed(0, 99.0, pb.HealthReply(tokens_total=5)))
+    later = remember(known, {"a": _entry("a")}, 110.0)  # b dropped out: still shown (dead) for a while
+    assert set(later) == {"a", "b"}
+    assert later["a"].probe.last_ok == 99.0  # what the calls found is kept
+    assert later["b"].in_table_at == 100.0
+    assert set(remember(later, {"a": _entry("a")}, 100.0 + FORGET_AFTER)) == {"a"}  # then forgotten
+    moved = remember(later, {"a": _entry("a", "127.0.0.1:2")}, 111.0)
+    assert moved["a"].probe == Probed()  # a new endpoint: called afresh
+    flood = {f"n{i:04d}": _entry(f"n{i:04d}") for i in range(MAX_KNOWN + 50)}
+    assert len(remember(later, flood, 120.0)) == MAX_KNOWN
+
+
+def test_the_apis_own_sessions_are_reports_of_their_heads():
+    by_endpoint = {"e1": "h", "e2": "t"}
+    assert own_reports({("e1", "e2"): 2, ("e1", "gone"): 1}, by_endpoint) == [("h", [_r(["h", "t"], 2)])]

@@ -98,10 +98,10 @@ const MeshMap = (() => {
     }
     if (!m.gaps.length) gapRow.append(svg("text", {x: LABEL + 4, y: gy + 17, class: "none"}, "none: every layer served"));
     root.append(gapRow);
-    // the routes in use, over the bars: along each hop's bar, then down (or up) to the next hop's
+    // the routes in use: along each hop's bar, then down (or up) to the next hop's
     routes.forEach((r, k) => {
       if (!r.hops.every(h => h in rowOf && byId[h])) return;
-      const off = [0, -4, 4][k % 3];
+      const off = BAR / 2 + 3 + (k % 3) * 2;  // just under the bars: their range labels stay readable
       const pts = [];
       for (const h of r.hops) {
         const y = TOP + rowOf[h] * ROW + ROW / 2 + off, rg = byId[h].range;
