@@ -230,3 +230,58 @@ async def test_a_tail_that_returns_another_token_than_it_drew_is_caught(model, n
     (f,) = result["failovers"]
     assert f["replacement"] == [replica.endpoint]
     assert result["route"] == [head.endpoint, replica.endpoint]
+
+
+async def test_the_api_routes_around_a_liar_it_caught_and_its_map_marks_it(model, node_factory):
+    """Through ``meshnode api``: the gateway's audit catches the liar mid-answer (the text still equals the
+    honest run's), the API's mesh map marks it misbehaving with where it lied, and the next request's
+    route leaves it out."""
+    import httpx
+    import llama_cpp
+
+    from tests.test_chat_page import start_api
+
+    def whole() -> str:
+        llm = llama_cpp.Llama(str(model), verbose=False)  # the default context settings, as the route's
+        try:
+            return str(llm.create_completion(PROMPT, max_tokens=N_TOKENS, temperature=0)["choices"][0]["text"])
+        finally:
+            llm.close()
+
+    reference = await trio.to_thread.run_sync(lambda: llama_reference(model, PROMPT, N_TOKENS))
+    whole_text = await trio.to_thread.run_sync(whole)
+    head, liar, tail, replica = [await _start(node_factory, layers, lie=lie) for layers, lie in
+                                 (("0:10", False), ("10:20", True), ("20:30", False), ("10:20", False))]
+    proc, url = await trio.to_thread.run_sync(
+        lambda: start_api([head.endpoint, liar.endpoint, tail.endpoint, replica.endpoint]))
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            answers = []
+            for _ in range(8):  # until a request's route runs through the liar (the gateway spreads by load)
+                r = await client.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT,
+                                                               "max_tokens": N_TOKENS, "temperature": 0})
+                assert r.status_code == 200, r.text
+                answers.append(r.json()["choices"][0]["text"])
+                if any(n["misbehaving"] for n in (await client.get("/v1/mesh")).json()["nodes"]):
+                    break
+            assert set(answers) == {answers[0]}  # every answer the same text, the one with the lie caught too
+            assert answers[0] == whole_text
+            doc = (await client.get("/v1/mesh")).json()
+            nodes = {n["endpoints"][0]: n for n in doc["nodes"]}
+            assert nodes[liar.endpoint]["misbehaving"] is True
+            report = nodes[liar.endpoint]["misbehaving_report"]
+            assert report["range"] == [10, 20]
+            assert report["pos_start"] == len(reference.prompt_tokens) + LIE_EVERY - 2
+            assert [e for e, v in nodes.items() if v["misbehaving"]] == [liar.endpoint]
+            (m,) = doc["models"]
+            assert m["misbehaving"] == [nodes[liar.endpoint]["node_id"]]
+            assert m["covered"] is True  # the replica serves 10:20
+            after = await client.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT,
+                                                               "max_tokens": 8, "temperature": 0})
+            assert liar.endpoint not in [h["endpoint"] for h in after.json()["meshnode"]["route"]]
+            assert replica.endpoint in [h["endpoint"] for h in after.json()["meshnode"]["route"]]
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        assert proc.stdout is not None
+        proc.stdout.close()

@@ -133,6 +133,10 @@ async def test_a_confirmed_lie_marks_the_node_for_good(verifying, run: Run, brow
         assert "lied at position 12" in seen["rows"][liar.node_id]["lied"]
         assert seen["rows"][replica.node_id]["row_class"] == ""
         assert f"misbehaving: {liar.node_id[:12]} lied at position 12" in seen["text"]
+        bars = await br(page.evaluate, """() => Object.fromEntries([...document.querySelectorAll("svg g.row")]
+            .map(g => [g.dataset.node, g.dataset.state + " " + g.textContent]))""")  # the map: the liar's bar
+        assert bars[liar.node_id].startswith("misbehaving"), bars
+        assert bars[replica.node_id].startswith("live"), bars
         await br(page.close)
     finally:
         _stop(proc2)

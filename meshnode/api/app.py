@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -183,6 +184,7 @@ class Gateway:
                                                                   on_token=on_token, ledger=self.ledger))
                 finally:
                     self.mesh.unhold(found.route)
+                self.mesh.note_caught(result.audit, self.ident.node_id, time.time())
                 await _drain_soon(token)  # the pieces the asyncio thread posted arrive before the end
                 send.send_nowait(("done", result))
             except errors.MeshnodeError as e:

@@ -12,8 +12,9 @@ row failed, or when it dropped out of the table (it stays on the map, dead,
 for ``FORGET_AFTER`` seconds). The routes in use are what the heads report
 in their Health answers (every gateway's sessions) and this gateway's own
 sessions; the charts sample each node's ``tokens_total`` from the same calls.
-No node is marked misbehaving here: the tracker's page shows the verified
-reports.
+A node is **misbehaving** once this gateway's own audits caught it lying
+(``MeshView.caught``: no route of the gateway uses it again); the tracker's
+page shows the reports the tracker verified, from every initiator.
 """
 
 from __future__ import annotations
@@ -215,6 +216,9 @@ class MapView:
         for nid, e in live.items():  # in the table since the last round: shown at once
             if nid not in self.known and len(views) < MAX_KNOWN:
                 views.append(node_view(Remembered(e, now), True, now))
+        for v in views:
+            if (report := self.mesh.caught.get(v["node_id"])) is not None:
+                v["misbehaving"], v["misbehaving_report"] = True, report
         views.sort(key=lambda v: (not v["alive"], v["model_name"], v["range"][0], v["node_id"]))
         by_id = {v["node_id"]: v for v in views}
         known = {v["node_id"]: Known(v["model"], v["range"][0], v["range"][1]) for v in views}

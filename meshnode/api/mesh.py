@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -29,6 +29,8 @@ from meshnode.transport.aiothread import AioRun
 from meshnode.transport.client import get_capability
 
 log = logging.getLogger("meshnode.api")
+#: the most nodes the gateway remembers as caught lying (the oldest forgotten first)
+MAX_CAUGHT = 1024
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class MeshView:
         self.table = PeerTable(ttl=max(3 * source.refresh, 6.0))
         #: sessions this gateway has open per endpoint, so concurrent requests spread over replicas
         self.load: dict[str, int] = {}
+        #: nodes this gateway's audits caught lying, by node id: what the map shows (the tracker's
+        #: ``misbehaving_report`` shape); no route of this gateway uses them again
+        self.caught: dict[str, dict[str, object]] = {}
         #: sessions this gateway has open per route (its hops' endpoints, in layer order): the map's routes in use
         self.routes: dict[tuple[str, ...], int] = {}
 
@@ -127,7 +132,7 @@ class MeshView:
 
         ModelNotFoundError (listing the models known) if none; InputError if it names several.
         """
-        peers = [p for p in self.table.live().values() if matches(p, query)]
+        peers = [p for p in self.table.live().values() if matches(p, query) and p.node_id not in self.caught]
         if not peers:
             known = ", ".join(f"{m.name} ({m.fingerprint[:12]})" for m in self.models()) or "none"
             raise errors.ModelNotFoundError(f"no known node serves a model named {query!r}; known models: {known}")
@@ -135,6 +140,19 @@ class MeshView:
         if len(fps) > 1:
             raise errors.InputError(f"{query!r} names {len(fps)} different models; give a fingerprint prefix")
         return peers
+
+    def note_caught(self, audit: Mapping[str, object], reporter: str, now: float) -> None:
+        """Remember the hops a generation's audit caught lying (``GenerationResult.audit``'s ``caught``)."""
+        caught = audit.get("caught")
+        for c in caught if isinstance(caught, list) else []:
+            try:
+                start, end = (int(x) for x in str(c["layers"]).split(":"))
+                self.caught[str(c["node_id"])] = {"pos_start": int(c["position"]), "range": [start, end],
+                                                  "reporter": reporter, "at_unix": int(now)}
+            except (KeyError, TypeError, ValueError):
+                log.warning("an audit's report of a lie lacks its fields: %r", c)
+        while len(self.caught) > MAX_CAUGHT:
+            del self.caught[next(iter(self.caught))]
 
     async def route(self, query: str) -> Discovered:
         """A route (and its spares) for one request of model ``query``, chosen from what is known now.
