@@ -256,12 +256,27 @@ async def test_the_api_routes_around_a_liar_it_caught_and_its_map_marks_it(model
         lambda: start_api([head.endpoint, liar.endpoint, tail.endpoint, replica.endpoint]))
     try:
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-            answers = []
-            for _ in range(8):  # until a request's route runs through the liar (the gateway spreads by load)
-                r = await client.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT,
-                                                               "max_tokens": N_TOKENS, "temperature": 0})
+            answers: list[str] = []
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0}
+
+            async def plain() -> None:
+                r = await client.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 answers.append(r.json()["choices"][0]["text"])
+
+            for _ in range(3):
+                # one answer streaming holds its route; the next request takes the other 10:20 node (the
+                # gateway spreads its sessions by load): one of the two runs through the liar
+                async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+                    pieces: list[str] = []
+                    async with trio.open_nursery() as nursery:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                doc = json.loads(line[6:])
+                                pieces.append(doc["choices"][0]["text"] if doc["choices"] else "")
+                                if len(pieces) == 1:
+                                    nursery.start_soon(plain)
+                    answers.append("".join(pieces))
                 if any(n["misbehaving"] for n in (await client.get("/v1/mesh")).json()["nodes"]):
                     break
             assert set(answers) == {answers[0]}  # every answer the same text, the one with the lie caught too

@@ -9,6 +9,7 @@ the private key that signs for it.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ KEY_FILE = "node.key"
 PUBLIC_KEY_BYTES = 32
 
 
+@functools.lru_cache(maxsize=4096)  # seals name their signer on every step: the same few keys again and again
 def node_id_of(public_key: bytes) -> str:
     """The node id of a raw 32-byte Ed25519 public key."""
     if len(public_key) != PUBLIC_KEY_BYTES:
@@ -45,11 +47,12 @@ def verify_signature(public_key: bytes, payload: bytes, signature: bytes) -> boo
 class NodeIdentity:
     private_key: Ed25519PrivateKey
 
-    @property
+    # computed once: a hop seals every step with them (their cost showed in a decode's profile)
+    @functools.cached_property
     def public_key(self) -> bytes:
         return self.private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
-    @property
+    @functools.cached_property
     def node_id(self) -> str:
         return node_id_of(self.public_key)
 
