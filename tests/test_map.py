@@ -100,7 +100,7 @@ class MapPage:
         return self.page.evaluate(expr)
 
     def until(self, pred: Callable[[dict[str, Any]], Any], what: str, timeout: float = 60.0) -> dict[str, Any]:
-        """Poll what the map shows (the page refreshes itself every 2 s; the CSP forbids the eval that
+        """Poll what the map shows (the page refreshes itself every second; the CSP forbids the eval that
         Playwright's wait_for_function needs) until ``pred`` holds."""
         box: dict[str, Any] = {}
 

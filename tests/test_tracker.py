@@ -257,7 +257,7 @@ async def _status_until(url: str, pred: Callable[[dict[str, Any]], bool], timeou
 
 async def _until(br: Browser, page: Any, pred: Callable[[dict[str, Any]], bool],
                  timeout: float = 30.0) -> dict[str, Any]:
-    """Poll what the page shows (it refreshes itself every 2 s) until ``pred`` holds; bounded.
+    """Poll what the page shows (it refreshes itself every second) until ``pred`` holds; bounded.
     Per node row: its ``data-k`` figures and the row's class; per model: its coverage words, active
     sessions and coverage cells; and the body text."""
     with trio.fail_after(timeout):

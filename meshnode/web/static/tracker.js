@@ -120,5 +120,5 @@
     }
   }
   refresh();
-  setInterval(refresh, 2000);
+  setInterval(refresh, 1000);  // a node the probes find dead shows within a second of it
 })();
