@@ -95,8 +95,10 @@ async def test_the_mesh_assembles_itself(tmp_path, model, reference, node_factor
         assert leaving.endpoint not in out["route"]
         assert out["tokens"] == reference.tokens[:8]
 
-    # a node joins with --auto and fills the weakest range (0:15 now has one replica, 15:30 two)
-    auto = await trio.to_thread.run_sync(lambda: join(None, "--auto"))
+    # a node joins with --auto and fills the weakest range (0:15 now has one replica, 15:30 two); its
+    # span is given: without one it follows this machine's measured speed against the peers' (unit-tested
+    # in test_memcap.py), which a loaded host makes shorter
+    auto = await trio.to_thread.run_sync(lambda: join(None, "--auto", "--span", "15"))
     assert auto.layers == "0:15"
     status = await trio.to_thread.run_sync(_wait_nodes, url, 4)
     (m,) = status["models"]
