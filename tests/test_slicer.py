@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -90,3 +92,17 @@ def test_whole_model_is_the_source_itself(model):
 def test_bad_ranges_are_refused(model, a, b):
     with pytest.raises(errors.LayerRangeError):
         ensure_range(model, a, b)
+
+
+def test_a_settled_file_keeps_its_bytes_and_is_read_back_whole(tmp_path: Path) -> None:
+    """gguf/pages.py: a cut file is synced, its pages dropped and read back; its bytes do not change
+    (where its pages then sit is a benchmark's matter: bench.ranges)."""
+    from meshnode.gguf.pages import CHUNK, settle
+
+    data = os.urandom(CHUNK + 12345)  # more than one read back
+    path = tmp_path / "range.gguf"
+    path.write_bytes(data)
+    settle(path)
+    assert path.read_bytes() == data
+    with pytest.raises(FileNotFoundError):
+        settle(tmp_path / "missing.gguf")

@@ -55,6 +55,7 @@ from meshnode.gguf.arch import Output, check_cut, slice_kv
 from meshnode.gguf.archtable import POLICIES
 from meshnode.gguf.meta import GGUFMeta, TensorInfo, read_meta, tensor_data
 from meshnode.gguf.model import ModelInfo, check_file, fingerprint, inspect_model
+from meshnode.gguf.pages import settle
 from meshnode.runtime.paths import cache_dir
 
 #: how a cut reports its progress: (what it does, done, total)
@@ -441,6 +442,8 @@ def _cut(source: Path, start: int, end: int, progress: Progress, root: Path | No
         if role is Role.HEAD:
             _write_vocab(source, meta, info.arch, tmp / "vocab.gguf", progress)
             files["vocab.gguf"] = tmp / "vocab.gguf"
+        for f in files.values():  # read back from disk: large folios, faster steps (gguf/pages.py)
+            settle(f)
         progress("hashing tensors", 0, 1)
         manifest = _manifest(source, info, fp, start, end, role, files, tied)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
