@@ -9,8 +9,11 @@ the 1.34 GB synthetic model, one thread (docs/performance.md, "A second host"): 
 12:24 as just cut took 39.8 and 41.1 ms a step; read back, 34.1 and 38.2 ms, and the two halves
 then cost what the whole model costs.
 
-So a cut file is flushed to disk, its pages dropped, and the file read back in order, as
-``bench.ranges --reread`` does (the cut's hashing pass then reads it from the page cache).
+Pages llama.cpp's own mapping faults in from disk come in large as well (a 535 MB range loaded
+from an emptied cache: 473 MB of its 548 MB resident mapped in 2 MB pages, ``FilePmdMapped`` in
+``/proc/self/smaps``), so only a file written moments ago is at a loss. A cut file is therefore
+flushed to disk, its pages dropped, and the file read back in order, as ``bench.ranges --reread``
+does (the cut's hashing pass then reads it from the page cache).
 """
 
 from __future__ import annotations
