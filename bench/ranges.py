@@ -13,42 +13,33 @@ is slow from one whose pages happen to sit in small folios (docs/performance.md,
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from meshnode.gguf.pages import settle
 
-def reread(path: Path) -> None:
-    """Drop ``path``'s clean pages from the page cache, then read it back sequentially."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        while os.read(fd, 1 << 24):
-            pass
-    finally:
-        os.close(fd)
+if TYPE_CHECKING:
+    from meshnode.executor._llama import LlamaRange
 
 
-def step_ms(rng: object, tokens: int) -> float:
-    """Milliseconds a single-token decode step of ``rng`` took, over ``tokens`` steps on a fresh KV."""
-    r: object = rng
-    r.release(0)  # type: ignore[attr-defined]
-    head = r.takes_tokens  # type: ignore[attr-defined]
-    n_embd = r.n_embd  # type: ignore[attr-defined]
-    if head:
-        r.forward(0, 0, tokens=np.arange(1, 9, dtype=np.int32))  # type: ignore[attr-defined]
+def step_ms(r: LlamaRange, tokens: int) -> float:
+    """Milliseconds a single-token decode step of ``r`` took, over ``tokens`` steps on a fresh KV."""
+    r.release(0)
+    if r.takes_tokens:
+        r.forward(0, 0, tokens=np.arange(1, 9, dtype=np.int32))
     else:
-        r.forward(0, 0, embd=np.full((8, n_embd), 0.01, np.float32))  # type: ignore[attr-defined]
+        r.forward(0, 0, embd=np.full((8, r.n_embd), 0.01, np.float32))
     t0 = time.perf_counter()
     for i in range(tokens):
-        if head:
-            r.forward(0, 8 + i, tokens=np.array([100 + i % 50], np.int32))  # type: ignore[attr-defined]
+        if r.takes_tokens:
+            r.forward(0, 8 + i, tokens=np.array([100 + i % 50], np.int32))
         else:
-            r.forward(0, 8 + i, embd=np.full((1, n_embd), 0.01, np.float32))  # type: ignore[attr-defined]
+            r.forward(0, 8 + i, embd=np.full((1, r.n_embd), 0.01, np.float32))
     return (time.perf_counter() - t0) / tokens * 1000
 
 
@@ -59,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--reread", action="store_true", help="re-read each range file into the page cache first")
+    ap.add_argument("--reread", action="store_true", help="sync, drop and re-read each range file's pages first")
     ns = ap.parse_args(argv)
     from bench.synth import ensure_model
     from meshnode.executor import openmp
@@ -77,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     for a, b in spans:
         art = ensure_range(model, a, b)
         if ns.reread:
-            reread(art.range_path)
+            settle(art.range_path)  # what a cut now does itself (meshnode/gguf/pages.py)
         ranges[(a, b)] = LlamaRange(art, cfg)
         ranges[(a, b)].decode_threads = ns.threads
     times: dict[tuple[int, ...], list[float]] = {s: [] for s in ranges}
@@ -93,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| range | role | ms a step | rounds |")
     print("|---|---|---|---|")
     for s, r in ranges.items():
-        print(f"| {s[0]}:{s[1]} | {r.role.value if hasattr(r.role, 'value') else r.role} | "
+        print(f"| {s[0]}:{s[1]} | {r.role} | "
               f"{statistics.median(times[s]):.2f} | {', '.join(f'{t:.1f}' for t in times[s])} |")
     return 0
 
