@@ -78,7 +78,12 @@ def pinned_in_turn(model: Path, peers: list[str], rounds: int, short: int, long:
 
 def sessions_in_turn(model: Path, peers: list[str], rounds: int, sessions: int = 8, tokens: int = 64) -> dict[str, Any]:
     """``sessions`` concurrent sessions: the whole model batching them on core 0 (one thread), then the
-    pinned route (its initiator on core 0), aggregate tok/s, per round."""
+    pinned route (its initiator on core 0), aggregate tok/s, per round.
+
+    Each round also measures the whole model batching ``sessions // 2`` on core 0: two groups of that
+    size pipelined over two hops, with no handling cost at all, run at most at 2 x B(S/2) / B(S) of the
+    whole model batching S (docs/performance.md, "a model of a token's time"), the route's ceiling here.
+    """
     from bench import paths
     from bench.batch_bench import run_route
     from bench.suite import pinned_here
@@ -86,12 +91,20 @@ def sessions_in_turn(model: Path, peers: list[str], rounds: int, sessions: int =
     rows = []
     for i in range(rounds):
         b = paths.whole_batched(model, sessions, 1, tokens, cpus=[0])
+        half = paths.whole_batched(model, sessions // 2, 1, tokens, cpus=[0])
         with pinned_here({0}):
-            route = run_route(peers, b["ids"], [sessions], tokens, warm=i == 0)["by_n"][str(sessions)]["tps"]
-        rows.append({"whole_tps": b["tps"], "route_tps": route, "ratio": route / b["tps"]})
-        print(f"  round {i + 1}: whole (Llama, core 0, 1 thread) batching {sessions}: {b['tps']:.2f} tok/s; pinned "
-              f"route, {sessions} sessions: {route:.2f} tok/s; ratio {route / b['tps']:.3f}", flush=True)
-    return _summary(rows, True, 0)
+            r = run_route(peers, b["ids"], [sessions], tokens, warm=i == 0)["by_n"][str(sessions)]
+        route, ceiling = r["tps"], 2 * half["tps"] / b["tps"]
+        batches = [round(h["mean_batch"], 2) for h in r["hops"]]
+        rows.append({"whole_tps": b["tps"], "whole_half_tps": half["tps"], "route_tps": route,
+                     "ratio": route / b["tps"], "ceiling": ceiling, "mean_batch": batches})
+        print(f"  round {i + 1}: whole (Llama, core 0, 1 thread) batching {sessions}: {b['tps']:.2f} tok/s, "
+              f"batching {sessions // 2}: {half['tps']:.2f} (ceiling of two groups over two hops "
+              f"{ceiling:.3f}); pinned route, {sessions} sessions: {route:.2f} tok/s, mean batch per hop "
+              f"{batches}; ratio {route / b['tps']:.3f}", flush=True)
+    out = _summary(rows, True, 0)
+    out["ceiling_median"] = statistics.median(r["ceiling"] for r in rows)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         r["size_gb"] = d["size_bytes"] / 1e9
         print(f"  median of the rounds' ratios {r['ratio_median']:.3f} (route {r['route_tps_median']:.2f} vs whole "
               f"{r['whole_tps_median']:.2f} tok/s)"
-              + (f"; tokens equal: {r['tokens_equal']}" if r["tokens_compared"] else ""), flush=True)
+              + (f"; tokens equal: {r['tokens_equal']}" if r["tokens_compared"] else "")
+              + (f"; ceiling {r['ceiling_median']:.3f}" if "ceiling_median" in r else ""), flush=True)
     print(f"\n| model ({ns.setting}) | size | whole (tok/s) | route (tok/s) | ratio (median of rounds) |")
     print("|---|---|---|---|---|")
     for name, r in out.items():
