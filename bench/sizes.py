@@ -18,7 +18,7 @@ with both sides' figures.
   ``bench.batch_bench``'s initiator) against the whole model batching the 8 on one core.
 
 Reproduce: ``.venv/bin/python -m bench.sizes`` (``--rounds 3``; ``--only NAME`` repeats; ``--setting``;
-``--json``).
+``--cuts A:B,B:C``; ``--json``).
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=136)
     ap.add_argument("--only", action="append", choices=list(models()), help="this model only (repeat)")
     ap.add_argument("--setting", choices=SETTINGS, default="one-machine")
+    ap.add_argument("--cuts", help="the route's ranges, e.g. 0:13,13:24 (default: the layers halved)")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from bench.moe_bench import decode_in_turn
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         model = models()[name]()
         d = describe(model)
         n = d["layers"]
-        cuts = [f"0:{n // 2}", f"{n // 2}:{n}"]
+        cuts = ns.cuts.split(",") if ns.cuts else [f"0:{n // 2}", f"{n // 2}:{n}"]
         for c in cuts:
             a, b = c.split(":")
             ensure_range(model, int(a), int(b))

@@ -142,32 +142,6 @@ async def test_concurrent_forwards_coalesce_into_batches(model: Path) -> None:
         ex.close()
 
 
-async def test_steps_that_reach_the_executor_a_few_loop_iterations_apart_run_as_one_batch(model: Path) -> None:
-    """One upstream batch's rows arrive in one link message, but each session's coroutine reaches
-    ``forward`` a loop iteration or more after the previous: they still make one batch (``_settle``)."""
-    import asyncio
-
-    ex = RangeExecutor(ensure_range(model, 0, CUT), ExecConfig(max_sessions=8))
-    try:
-        slots = [ex.open_slot() for _ in range(4)]
-
-        async def one(slot: int) -> None:
-            for _ in range(slot):  # session k reaches the executor k loop iterations after session 0
-                await asyncio.sleep(0)
-            await ex.forward(slot, 0, tokens=np.asarray([slot + 1], np.int32))
-
-        async def all_four() -> None:
-            await asyncio.gather(*(one(s) for s in slots))
-
-        async with trio_asyncio.open_loop():
-            await trio_asyncio.aio_as_trio(all_four)()
-            assert (ex.steps_total, ex.batches_total) == (4, 1)
-            for s in slots:
-                await trio_asyncio.aio_as_trio(ex.release)(s)
-    finally:
-        ex.close()
-
-
 def _moe_pair(model: Path, tmp_path: Path) -> tuple[LlamaRange, LlamaRange]:
     from tests.tiny import make
 

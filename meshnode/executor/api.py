@@ -8,10 +8,9 @@ context holds one lock (``_ctx``): the equivalent of a ``CapacityLimiter(1)``
 per context. Calls run on a dedicated worker thread, never on trio's loop.
 
 Batching: ``forward`` only queues a chunk. Dispatch happens on the node's
-asyncio data-plane loop once two loop iterations in a row queued nothing new
-(``_settle``), so the steps of every session whose frame arrived in the same
-link message are queued by then, even when their coroutines reach
-``forward`` an iteration or two apart; ``pick_batch`` takes the oldest chunk plus later ones of the
+asyncio data-plane loop one iteration later (``loop.call_soon``), so the
+steps of every session whose frame arrived in the same loop iteration are
+queued by then; ``pick_batch`` takes the oldest chunk plus later ones of the
 same length for other sessions, within one micro-batch, and they run as a
 single llama_decode: one pass over the weights serves all of them. A lone
 session pays nothing for this; concurrent sessions' steps coalesce on their
@@ -59,11 +58,6 @@ from meshnode.executor.threads import ThreadChooser
 from meshnode.gguf.slicer import RangeArtifact, Role
 
 T = TypeVar("T")
-
-#: loop iterations in a row without a new chunk before a batch is dispatched (``_settle``)
-QUIET_ITERATIONS = 2
-#: loop iterations after an idle executor's first chunk by which its batch is dispatched regardless
-MAX_SETTLE_ITERATIONS = 8
 
 
 @dataclass(frozen=True)
@@ -260,7 +254,7 @@ class RangeExecutor:
             self._queue.append(job)
             if not self._draining:
                 self._draining = True
-                loop.call_soon(self._settle, len(self._queue), 0, 0)
+                loop.call_soon(self._dispatch)
         try:
             return await _awaitable(job.future, loop)
         except asyncio.CancelledError:
@@ -286,25 +280,6 @@ class RangeExecutor:
         # running from here: a waiter cancelled now no longer cancels the future, the
         # chunk runs to completion and its result is dropped (docstring above)
         return [j for j in picked if j.future.set_running_or_notify_cancel()]
-
-    def _settle(self, seen: int, quiet: int, waited: int) -> None:
-        """On the data-plane loop: dispatch once ``QUIET_ITERATIONS`` loop iterations in a row queued no
-        new chunk (at most ``MAX_SETTLE_ITERATIONS`` iterations after the first chunk).
-
-        The sessions whose rows one upstream batch produced arrive in one link message but reach
-        ``forward`` over a few iterations (each session's coroutine wakes, checks its frame, awaits),
-        so dispatching one iteration after the first cut that group into two or three batches, and on a
-        CPU a batch of 2 or 3 rows costs about what 2 or 3 single rows cost where 4 cost 2.5 (issue 23:
-        the pinned route's 8 sessions went from a mean batch of 2.67 to 3.94 a hop, 25-34 to 40 tok/s).
-        An idle loop turns an iteration in microseconds, so a lone session pays ~10 us a step.
-        """
-        with self._lock:
-            now = len(self._queue)
-        quiet = 0 if now != seen else quiet + 1
-        if quiet >= QUIET_ITERATIONS or waited >= MAX_SETTLE_ITERATIONS:
-            self._dispatch()
-        else:
-            asyncio.get_running_loop().call_soon(self._settle, now, quiet, waited + 1)
 
     def _dispatch(self) -> None:
         """On the data-plane loop, one iteration after a chunk was queued into an idle executor.
