@@ -48,6 +48,18 @@ def models() -> dict[str, Callable[[], Path]]:
 SETTINGS = ("one-machine", "pinned", "sessions8")
 
 
+def cut_list(text: str) -> list[str]:
+    """``--cuts``: comma-separated layer ranges, each checked as ``--layers`` checks it."""
+    from meshnode.cli.main import parse_layers
+    from meshnode.errors import LayerRangeError
+
+    try:
+        spans = [parse_layers(c) for c in text.split(",")]
+    except LayerRangeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return [f"{a}:{b}" for a, b in spans]
+
+
 def _summary(rows: list[dict[str, Any]], tokens_equal: bool, compared: int) -> dict[str, Any]:
     return {"rounds": rows, "ratio_median": statistics.median(r["ratio"] for r in rows),
             "whole_tps_median": statistics.median(r["whole_tps"] for r in rows),
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=136)
     ap.add_argument("--only", action="append", choices=list(models()), help="this model only (repeat)")
     ap.add_argument("--setting", choices=SETTINGS, default="one-machine")
-    ap.add_argument("--cuts", help="the route's ranges, e.g. 0:13,13:24 (default: the layers halved)")
+    ap.add_argument("--cuts", type=cut_list, help="the route's ranges, e.g. 0:13,13:24 (default: the layers halved)")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from bench.moe_bench import decode_in_turn
@@ -129,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         model = models()[name]()
         d = describe(model)
         n = d["layers"]
-        cuts = ns.cuts.split(",") if ns.cuts else [f"0:{n // 2}", f"{n // 2}:{n}"]
+        cuts = ns.cuts or [f"0:{n // 2}", f"{n // 2}:{n}"]
         for c in cuts:
             a, b = c.split(":")
             ensure_range(model, int(a), int(b))
