@@ -38,6 +38,7 @@ from meshnode.executor.context import resolve_ctx
 from meshnode.gguf.arch import InputScale
 from meshnode.gguf.archtable import POLICIES
 from meshnode.gguf.meta import read_meta
+from meshnode.gguf.rows import dequantize_rows
 from meshnode.gguf.slicer import RangeArtifact, Role
 
 F32 = npt.NDArray[np.float32]
@@ -143,9 +144,10 @@ class Vocab:
 class TokenTable:
     """The head's own token-embedding lookup, from vocab.gguf's token_embd (mmap).
 
-    Rows are dequantized by the gguf package; for the quant types of the
-    default model this is bit-identical to ggml's get_rows (tested), and it
-    lets the head's range file carry no vocabulary-sized tensor at all.
+    Rows are dequantized as ggml's get_rows does (meshnode/gguf/rows.py: numpy
+    for Q8_0 and the float types, the gguf package otherwise; bit-identical,
+    tested), and it lets the head's range file carry no vocabulary-sized
+    tensor at all.
     """
 
     def __init__(self, path: Path, info: dict[str, Any], scale: float | None) -> None:
@@ -160,7 +162,7 @@ class TokenTable:
 
     def lookup(self, tokens: npt.NDArray[np.int32]) -> F32:
         rows = self._data[tokens]
-        out = np.asarray(gguf.quants.dequantize(rows, self._qtype), dtype=np.float32)
+        out = dequantize_rows(rows, self._qtype)
         if self._scale is not None:
             out = out * self._scale  # float32 x float32, as ggml_scale
         return np.ascontiguousarray(out, dtype=np.float32)
