@@ -54,7 +54,7 @@ def cut_list(text: str) -> list[str]:
     from meshnode.errors import LayerRangeError
 
     try:
-        spans = [parse_layers(c) for c in text.split(",")]
+        spans = [parse_layers(c, "--cuts") for c in text.split(",")]
     except LayerRangeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return [f"{a}:{b}" for a, b in spans]

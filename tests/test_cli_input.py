@@ -194,3 +194,18 @@ def test_model_slice_reports_progress_and_a_summary_and_serve_streams_it(model, 
         for pipe in (node.stdout, node.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def test_layer_ranges_name_the_flag_they_came_from() -> None:
+    import argparse
+
+    from bench.sizes import cut_list
+    from meshnode.cli.main import parse_layers
+    from meshnode.errors import LayerRangeError
+
+    assert parse_layers("3:9") == (3, 9)
+    with pytest.raises(LayerRangeError, match=r"--layers '9:3' is empty"):
+        parse_layers("9:3")
+    assert cut_list("0:12,12:24") == ["0:12", "12:24"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"--cuts '12' is not A:B"):
+        cut_list("0:12,12")

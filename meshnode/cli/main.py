@@ -29,13 +29,14 @@ if TYPE_CHECKING:
     from meshnode.session.hop import HopLimits
 
 
-def parse_layers(text: str) -> tuple[int, int]:
+def parse_layers(text: str, flag: str = "--layers") -> tuple[int, int]:
+    """``A:B`` -> (A, B); ``LayerRangeError`` naming ``flag`` otherwise."""
     a, sep, b = text.partition(":")
     if not sep or not a.strip().isdigit() or not b.strip().isdigit():
-        raise errors.LayerRangeError(f"--layers {text!r} is not A:B (two layer numbers, B exclusive)")
+        raise errors.LayerRangeError(f"{flag} {text!r} is not A:B (two layer numbers, B exclusive)")
     start, end = int(a), int(b)
     if start >= end:
-        raise errors.LayerRangeError(f"--layers {text!r} is empty: A must be below B")
+        raise errors.LayerRangeError(f"{flag} {text!r} is empty: A must be below B")
     return start, end
 
 
