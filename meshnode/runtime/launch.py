@@ -108,12 +108,13 @@ def _layers_of(line: str) -> str:
 
 @contextlib.contextmanager
 def local_route(model: Path, cuts: Sequence[str], extra: Sequence[str] = (),
-                cpus: Sequence[Sequence[int]] = ()) -> Iterator[list[NodeProcess]]:
-    """A node per cut; ``cpus``: each node's CPUs (``taskset``), in cut order."""
+                cpus: Sequence[Sequence[int]] = (), env: dict[str, str] | None = None) -> Iterator[list[NodeProcess]]:
+    """A node per cut; ``cpus``: each node's CPUs (``taskset``), in cut order; ``env``: variables set for
+    every node over this process's environment."""
     nodes: list[NodeProcess] = []
     try:
         for i, c in enumerate(cuts):
-            nodes.append(start_node(model, c, extra=extra, cpus=cpus[i] if cpus else ()))
+            nodes.append(start_node(model, c, extra=extra, cpus=cpus[i] if cpus else (), env=env))
         yield nodes
     finally:
         for n in nodes:
