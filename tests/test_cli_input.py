@@ -209,3 +209,15 @@ def test_layer_ranges_name_the_flag_they_came_from() -> None:
     assert cut_list("0:12,12:24") == ["0:12", "12:24"]
     with pytest.raises(argparse.ArgumentTypeError, match=r"--cuts '12' is not A:B"):
         cut_list("0:12,12")
+
+
+def test_bench_variants_parse_or_are_refused() -> None:
+    import argparse
+
+    from bench.nodeenv import variant
+
+    assert variant("default") == ("default", {})
+    assert variant("spin:GOMP_SPINCOUNT=2000,X=") == ("spin", {"GOMP_SPINCOUNT": "2000", "X": ""})
+    for bad in (":A=1", "v:A", "v:1A=2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            variant(bad)
