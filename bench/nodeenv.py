@@ -46,15 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     from bench import paths
     from bench.synth import ensure_model
-    from meshnode.gguf import ensure_range
-    from meshnode.gguf.report import describe
     from meshnode.runtime.launch import local_route
 
     model = Path(ns.model) if ns.model else ensure_model(1.0)
-    n = describe(model)["layers"]
-    cuts = [f"0:{n // 2}", f"{n // 2}:{n}"]
-    for c in cuts:
-        ensure_range(model, *map(int, c.split(":")))
+    cuts = paths.halves(model)
     names = [name for name, _ in ns.variant]
     print(f"command: python -m bench.nodeenv {' '.join(sys.argv[1:] if argv is None else argv)}")
     ratios: dict[str, list[float]] = {name: [] for name in names}

@@ -55,6 +55,18 @@ def whole_batched(model: Path, sessions: int, threads: int, tokens: int, cpus: S
     return {"ids": r["ids"], **r["by_n"][str(sessions)]}
 
 
+def halves(model: Path) -> list[str]:
+    """The model's layers cut in two (``["0:h", "h:n"]``), each range's file written if it is not yet."""
+    from meshnode.gguf import ensure_range
+    from meshnode.gguf.report import describe
+
+    n = describe(model)["layers"]
+    cuts = [(0, n // 2), (n // 2, n)]
+    for a, b in cuts:
+        ensure_range(model, a, b)
+    return [f"{a}:{b}" for a, b in cuts]
+
+
 def long_prompt(repeat: int) -> str:
     """A prompt of ``repeat`` copies of route_bench's paragraph (~79 tokens each)."""
     from bench.route_bench import LONG_TEXT
