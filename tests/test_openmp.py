@@ -2,8 +2,9 @@
 
 * libgomp in a ``meshnode serve`` process that decodes on several threads runs with meshnode's spin
   count, or with the user's;
-* every llama_decode that may start an OpenMP team runs on one thread of the node: two threads that
-  each own a team make libgomp count more threads than cores and sleep at every barrier;
+* a llama_decode that starts an OpenMP team runs on the data plane's thread only under a wait policy:
+  without one, two threads that each own a team make libgomp count more threads than cores and sleep
+  at every barrier;
 * thread defaults follow the CPUs the process may use (a cpuset or ``taskset``);
 * a llama.cpp built without OpenMP gives each context a ggml pool of its own, whose threads sleep as soon
   as a graph is done, and its decode steps stay inline on the data plane's thread.
@@ -33,13 +34,17 @@ from meshnode.transport.aiothread import open_aio_thread
 def test_configure_sets_the_spin_for_a_multithreaded_decode_unless_the_user_did() -> None:
     env: dict[str, str] = {}
     assert openmp.configure(2, env) == str(openmp.SPIN_ROUNDS)
-    assert env == {"GOMP_SPINCOUNT": str(openmp.SPIN_ROUNDS)}
-    mine = {"GOMP_SPINCOUNT": "250"}
+    assert env == {"GOMP_SPINCOUNT": str(openmp.SPIN_ROUNDS), "OMP_WAIT_POLICY": "active"}
+    assert openmp.teams_keep_their_spin(env)
+    mine = {"GOMP_SPINCOUNT": "250", "OMP_WAIT_POLICY": "PASSIVE"}
     assert openmp.configure(2, mine) == "250"
-    assert mine == {"GOMP_SPINCOUNT": "250"}
+    assert mine == {"GOMP_SPINCOUNT": "250", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp.teams_keep_their_spin(mine)  # passive: nothing spins, nothing to cut
     single: dict[str, str] = {}
     assert openmp.configure(1, single) is None  # no team in decode: libgomp's default
     assert single == {}
+    assert not openmp.teams_keep_their_spin(single)  # unset: a second team cuts every wait to 100 rounds
+    assert not openmp.teams_keep_their_spin({"OMP_WAIT_POLICY": "sometimes"})
 
 
 def test_thread_defaults_follow_the_cpus_this_process_may_use() -> None:
@@ -69,6 +74,7 @@ def test_threads_from_the_command_line_set_every_decode_step() -> None:
 def test_a_multithreaded_node_loads_llama_cpp_with_its_spin(model: Path, spin: str | None,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_DISPLAY_ENV", "VERBOSE")  # libgomp prints its settings when it loads
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     if spin is None:
         monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     else:
@@ -82,6 +88,7 @@ def test_a_multithreaded_node_loads_llama_cpp_with_its_spin(model: Path, spin: s
         node.stop()
     want = spin or str(openmp.SPIN_ROUNDS)
     assert f"GOMP_SPINCOUNT = '{want}'" in err, err[-2000:]
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in err, err[-2000:]  # a second team keeps that spin (openmp.py)
 
 
 PROMPT = np.asarray([1, 504, 3575, 282], np.int32)
@@ -103,8 +110,17 @@ async def _on_data_plane(ex: RangeExecutor, body: Any) -> None:
         ex.close()
 
 
+@pytest.mark.parametrize("policy", [None, "active"])
 @pytest.mark.parametrize("threads", [1, 2])
-async def test_every_multithreaded_decode_runs_on_one_thread(model: Path, threads: int) -> None:
+async def test_multithreaded_decode_leaves_the_data_plane_only_where_a_second_team_would_sleep(
+        model: Path, threads: int, policy: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps run on the data plane's thread (two wake-ups fewer a step), prompt chunks on the worker.
+    A step on several threads of an OpenMP build makes a second team there: it does so only under a wait
+    policy (openmp.py), else it joins the prompt chunks on the worker, one team in the process."""
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     ex = RangeExecutor(ensure_range(model, 0, 12), ExecConfig(n_ctx_per_session=256, max_sessions=1,
                                                               n_threads=threads, n_threads_solo=threads,
                                                               n_threads_batch=2))
@@ -129,9 +145,10 @@ async def test_every_multithreaded_decode_runs_on_one_thread(model: Path, thread
     assert len(ran) == 5
     assert len(prompt) == 1
     assert len(decode) == 1
-    if threads == 1 or ex._range.own_pool:
-        # single-threaded decode starts no team, and a context with a ggml pool of its own (no OpenMP)
-        # wakes that pool from any thread: it stays inline on the data plane's thread
+    if threads == 1 or ex._range.own_pool or policy is not None:
+        # single-threaded decode starts no team, a context with a ggml pool of its own (no OpenMP) wakes
+        # that pool from any thread, and under a wait policy a second team spins as the first: it stays
+        # inline on the data plane's thread
         assert decode == {"dataplane"}
         assert prompt != decode
     else:  # decode starts a team: it runs where prompt chunks run, the executor's one worker thread
@@ -171,7 +188,8 @@ def test_a_context_with_a_ggml_pool_of_its_own_decodes_exactly_as_without(model:
 async def test_one_live_session_decodes_on_every_core_and_several_on_the_decode_threads(model: Path) -> None:
     """One session's hops take turns, so its steps get ``n_threads_solo`` while those have measured
     faster; while two sessions are live their hops compute at once and the steps get ``n_threads``. A step
-    on several threads of an OpenMP build leaves the data plane's thread for the executor's worker."""
+    on several threads of an OpenMP build leaves the data plane's thread for the executor's worker unless
+    a wait policy keeps libgomp's spin with a second team."""
     ex = RangeExecutor(ensure_range(model, 0, 12), ExecConfig(n_ctx_per_session=256, max_sessions=2, n_threads=1,
                                                               n_threads_solo=2, n_threads_batch=2))
     ex._solo.mean = {2: 0.0, 1: 1.0}  # two threads have been the faster (by far)
@@ -199,7 +217,7 @@ async def test_one_live_session_decodes_on_every_core_and_several_on_the_decode_
     await _on_data_plane(ex, sessions)
     assert [(live, threads) for live, threads, _ in seen] == [(1, 2), (2, 1), (2, 1), (1, 2)]
     for _, threads, name in seen:
-        assert (name == "dataplane") is (threads == 1 or ex._range.own_pool)
+        assert (name == "dataplane") is (threads == 1 or ex._range.own_pool or ex._teams)
 
 
 def test_a_lone_sessions_threads_follow_what_its_steps_measure() -> None:

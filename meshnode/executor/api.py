@@ -52,6 +52,7 @@ import numpy.typing as npt
 import trio
 
 from meshnode.errors import CancelledError, CapacityError
+from meshnode.executor import openmp
 from meshnode.executor._llama import F32, Chunk, LlamaRange, StepOutput, Vocab, batchable
 from meshnode.executor.config import ExecConfig
 from meshnode.executor.threads import ThreadChooser
@@ -160,6 +161,9 @@ class RangeExecutor:
         self._queue: list[_Job] = []
         #: a dispatch is scheduled or a drainer runs: forward() only queues
         self._draining = False
+        #: a decode step on several threads may run on the data plane's thread: libgomp keeps its spin with
+        #: a team there and another on the worker (openmp.py; the environment libgomp read when it loaded)
+        self._teams = openmp.teams_keep_their_spin()
 
     def run_blocking(self, fn: Callable[[LlamaRange], T]) -> T:
         """Run ``fn(range)`` on the executor's thread and wait (start-up work only)."""
@@ -287,12 +291,13 @@ class RangeExecutor:
         A batch of decode steps runs here if the context is free; anything else, and anything
         left after it, is handed to the worker thread, which drains the queue.
         """
-        # never on a trio thread (a trio-asyncio loop runs there): trio's loop is never blocked
-        # and only single-threaded: a llama_decode on more threads starts an OpenMP team on the calling
-        # thread, and two threads that each own a team (this one and the worker) make libgomp count more
-        # threads than cores and cut its barrier spin to ~100 rounds, so every barrier of every graph
-        # sleeps and wakes (measured: 140 context switches per token, decode at a third of its speed)
-        inline = (self.config.inline_decode and (self.decode_threads == 1 or self._range.own_pool)
+        # never on a trio thread (a trio-asyncio loop runs there): trio's loop is never blocked.
+        # A llama_decode on several threads starts an OpenMP team on the calling thread; two threads that
+        # each own a team (this one and the worker) make libgomp count more threads than cores and cut its
+        # spin, to 100 rounds unless a wait policy is set (openmp.py): then every barrier of every graph
+        # sleeps and wakes (measured: 140 context switches per token, decode at a third of its speed), and
+        # such a step stays on the worker
+        inline = (self.config.inline_decode and (self.decode_threads == 1 or self._range.own_pool or self._teams)
                   and not trio.lowlevel.in_trio_run() and all(self._rows(j.chunk) == 1 for j in self._queue))
         if inline and self._ctx.acquire(blocking=False):
             try:
@@ -330,9 +335,10 @@ class RangeExecutor:
 
     def _run(self, jobs: list[_Job], *, inline: bool = False) -> None:
         try:
-            # an inline batch stays on one thread unless the context has a pool of its own (a session
-            # may have ended between the dispatch's choice and this batch)
-            self._range.decode_threads = 1 if inline and not self._range.own_pool else self.decode_threads
+            # an inline batch stays on one thread unless the context has a pool of its own or libgomp keeps
+            # its spin with a second team (a session may have ended between the dispatch's choice and this batch)
+            one = inline and not (self._range.own_pool or self._teams)
+            self._range.decode_threads = 1 if one else self.decode_threads
             t0 = time.perf_counter_ns()
             outs = self._range.forward_many([j.chunk for j in jobs])
             took = time.perf_counter_ns() - t0
