@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -371,11 +372,12 @@ class HopSession:
         self.computed += 1
         if out.residual is not None:
             residual = self._maybe_lie(out.residual)
-            timing.seal.CopyFrom(self._seal(s.step_id, n_past, n, digest_in, rows_digest(residual, wire)))
+            seal = functools.partial(self._seal_rows, s.step_id, n_past, n, digest_in, residual, wire)
             if self.audit:
+                timing.seal.CopyFrom(seal())
                 return _ready(pb.StepResult(step_id=s.step_id, timings=[timing]))
             self.history[n_past] = residual
-            return await self._forward(frame, residual, n_past, timing, left)
+            return await self._forward(frame, residual, n_past, timing, left, seal)
         assert out.logits is not None
         tok = None
         if s.sample and not s.replay:  # a replay rebuilt this hop's KV: its token was drawn before the failover
@@ -424,10 +426,10 @@ class HopSession:
                 assert timed.output.residual is not None
                 rows.append(timed.output.residual)
             residual = np.concatenate(rows)
-            timing.seal.CopyFrom(self._seal(s.step_id, n_past, len(toks), digest_in, rows_digest(residual, wire)))
+            seal = functools.partial(self._seal_rows, s.step_id, n_past, len(toks), digest_in, residual, wire)
             self.history[n_past] = residual
             self.draft_floor = n_past + 1
-            return await self._forward(frame, residual, n_past, timing, left)
+            return await self._forward(frame, residual, n_past, timing, left, seal)
         assert embd is not None
         assert self.chain is not None
         vocab = ex.vocab
@@ -466,6 +468,11 @@ class HopSession:
         return sign_step(self.ident, self.capability, session_id=self.session_id, epoch=self.epoch, step_id=step_id,
                          pos_start=pos, n_tokens=n, wire_dtype=self.open_msg.wire_dtype, input_sha256=digest_in,
                          output_sha256=digest_out, replayed=replayed, token=token)
+
+    def _seal_rows(self, step_id: int, pos: int, n: int, digest_in: bytes, rows: np.ndarray,
+                   wire: int) -> pb.SignedEnvelope:
+        """The seal of a step whose output is ``rows`` (a residual passed on)."""
+        return self._seal(step_id, pos, n, digest_in, rows_digest(rows, wire))
 
     def _maybe_lie(self, residual: np.ndarray) -> np.ndarray:
         """Tests only (``MESHNODE_TEST_LIE_EVERY``): every Nth computed step, one value one ulp off."""
@@ -519,13 +526,21 @@ class HopSession:
         return [encode_bundle(rows, dtype=wire, pos_start=p, max_chunk_bytes=self.negotiated.max_chunk_bytes)
                 for p, rows in sorted(self.history.items()) if p >= start and (not end or p + len(rows) <= end)]
 
-    async def _forward(self, frame: pb.SessionFrame, residual: np.ndarray, n_past: int,
-                       timing: pb.HopTiming, left: float | None) -> Awaitable[pb.StepResult]:
-        """Send the residual on; returns the awaitable of the next hop's result (with this hop's timing)."""
+    async def _forward(self, frame: pb.SessionFrame, residual: np.ndarray, n_past: int, timing: pb.HopTiming,
+                       left: float | None, seal: Callable[[], pb.SignedEnvelope] | None = None
+                       ) -> Awaitable[pb.StepResult]:
+        """Send the residual on; returns the awaitable of the next hop's result (with this hop's timing).
+
+        ``seal``: this hop's seal of the step, signed once the residual is on its way (the signature
+        then costs the next hop's compute time, not the token's path); it travels back in ``timing``
+        with the next hop's answer, as before.
+        """
         assert self.downstream is not None
         assert self.open_msg is not None
         s = frame.step
         if s.replay and s.replay_hops == 1:  # no hop further on lacks these positions
+            if seal is not None:
+                timing.seal.CopyFrom(seal())
             return _ready(pb.StepResult(step_id=s.step_id, timings=[timing]))
         bundle = encode_bundle(residual, dtype=self.open_msg.wire_dtype or pb.DTYPE_F32, pos_start=n_past,
                                max_chunk_bytes=self.negotiated.max_chunk_bytes)
@@ -535,6 +550,8 @@ class HopSession:
                       replay_hops=max(s.replay_hops - 1, 0), draft=s.draft, tokens=s.tokens if s.draft else [])
         down = self.downstream
         reply = await down.send(pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd))
+        if seal is not None:
+            timing.seal.CopyFrom(seal())  # before the answer can arrive: _downstream_result copies timing then
         return self._downstream_result(down, reply, timing, left)
 
     async def _downstream_result(self, down: FrameStream, fut: asyncio.Future[pb.SessionReply],
