@@ -217,7 +217,7 @@ async def test_one_live_session_decodes_on_every_core_and_several_on_the_decode_
     await _on_data_plane(ex, sessions)
     assert [(live, threads) for live, threads, _ in seen] == [(1, 2), (2, 1), (2, 1), (1, 2)]
     for _, threads, name in seen:
-        assert (name == "dataplane") is (threads == 1 or ex._range.own_pool or ex._teams)
+        assert (name == "dataplane") is (threads == 1 or ex._inline_teams)
 
 
 def test_a_lone_sessions_threads_follow_what_its_steps_measure() -> None:

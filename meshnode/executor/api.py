@@ -161,9 +161,10 @@ class RangeExecutor:
         self._queue: list[_Job] = []
         #: a dispatch is scheduled or a drainer runs: forward() only queues
         self._draining = False
-        #: a decode step on several threads may run on the data plane's thread: libgomp keeps its spin with
-        #: a team there and another on the worker (openmp.py; the environment libgomp read when it loaded)
-        self._teams = openmp.teams_keep_their_spin()
+        #: a decode step on several threads may run on the data plane's thread: the context has a ggml pool
+        #: of its own, or libgomp keeps its spin with a team there and another on the worker (openmp.py; the
+        #: environment libgomp read when it loaded)
+        self._inline_teams = self._range.own_pool or openmp.teams_keep_their_spin()
 
     def run_blocking(self, fn: Callable[[LlamaRange], T]) -> T:
         """Run ``fn(range)`` on the executor's thread and wait (start-up work only)."""
@@ -297,7 +298,7 @@ class RangeExecutor:
         # spin, to 100 rounds unless a wait policy is set (openmp.py): then every barrier of every graph
         # sleeps and wakes (measured: 140 context switches per token, decode at a third of its speed), and
         # such a step stays on the worker
-        inline = (self.config.inline_decode and (self.decode_threads == 1 or self._range.own_pool or self._teams)
+        inline = (self.config.inline_decode and (self.decode_threads == 1 or self._inline_teams)
                   and not trio.lowlevel.in_trio_run() and all(self._rows(j.chunk) == 1 for j in self._queue))
         if inline and self._ctx.acquire(blocking=False):
             try:
@@ -335,9 +336,9 @@ class RangeExecutor:
 
     def _run(self, jobs: list[_Job], *, inline: bool = False) -> None:
         try:
-            # an inline batch stays on one thread unless the context has a pool of its own or libgomp keeps
-            # its spin with a second team (a session may have ended between the dispatch's choice and this batch)
-            one = inline and not (self._range.own_pool or self._teams)
+            # an inline batch stays on one thread unless several may run there (a session may have ended
+            # between the dispatch's choice and this batch)
+            one = inline and not self._inline_teams
             self._range.decode_threads = 1 if one else self.decode_threads
             t0 = time.perf_counter_ns()
             outs = self._range.forward_many([j.chunk for j in jobs])
