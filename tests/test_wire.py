@@ -102,3 +102,22 @@ def test_codegen_has_not_drifted():
     from meshnode.wire.codegen import drift
 
     assert drift() == []
+
+
+def test_grpc_stubs_require_the_floor_pyproject_accepts_not_the_tools_patch():
+    # grpc_tools stamps its own release as the least grpcio the stubs import with;
+    # a new grpcio-tools patch must neither drift the check nor refuse an older grpcio
+    import tomllib
+    from pathlib import Path
+
+    from meshnode.wire.codegen import GRPC_FLOOR, ROOT, stamp_floor
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    grpcio = next(d for d in deps if d.startswith("grpcio>="))
+    floor = grpcio.removeprefix("grpcio>=").split(",")[0]
+    assert GRPC_FLOOR.split(".")[:2] == floor.split(".")[:2]
+    assert GRPC_FLOOR.endswith(".0")
+    text = "x = 1\nGRPC_GENERATED_VERSION = '1.85.4'\nGRPC_VERSION = grpc.__version__\n"
+    assert stamp_floor(text) == f"x = 1\nGRPC_GENERATED_VERSION = '{GRPC_FLOOR}'\nGRPC_VERSION = grpc.__version__\n"
+    stub = Path(ROOT / "meshnode" / "proto" / "node_pb2_grpc.py").read_text()
+    assert f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'" in stub

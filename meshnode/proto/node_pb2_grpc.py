@@ -5,7 +5,7 @@ import warnings
 
 from meshnode.proto import node_pb2 as meshnode_dot_proto_dot_node__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

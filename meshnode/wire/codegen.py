@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
 OUT_DIR = ROOT / "meshnode" / "proto"
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+# The oldest grpcio pyproject.toml accepts. grpc_tools stamps its own patch release
+# into the stubs as the least grpcio they run with, so a new grpcio-tools patch would
+# both fail --check and refuse an older (supported) grpcio at import: stamp the floor.
+GRPC_FLOOR = "1.85.0"
+_STAMP = re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.MULTILINE)
+
+
+def stamp_floor(text: str) -> str:
+    """Generated grpc stubs with the supported floor as their required grpcio."""
+    return _STAMP.sub(f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'", text)
 
 
 def generate(out_root: Path) -> list[Path]:
@@ -37,6 +48,8 @@ def generate(out_root: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
+    for stub in (out_root / "meshnode" / "proto").glob("*_pb2_grpc.py"):
+        stub.write_text(stamp_floor(stub.read_text()))
     return sorted((out_root / "meshnode" / "proto").glob("*_pb2*"))
 
 
