@@ -115,8 +115,9 @@ async def _on_data_plane(ex: RangeExecutor, body: Any) -> None:
 async def test_multithreaded_decode_leaves_the_data_plane_only_where_a_second_team_would_sleep(
         model: Path, threads: int, policy: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps run on the data plane's thread (two wake-ups fewer a step), prompt chunks on the worker.
-    A step on several threads of an OpenMP build makes a second team there: it does so only under a wait
-    policy (openmp.py), else it joins the prompt chunks on the worker, one team in the process."""
+    A step on several threads of an OpenMP build makes a second team there: it does so where the worker can
+    give its team back when idle, or under a wait policy (openmp.py), else it joins the prompt chunks on the
+    worker, one team in the process."""
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
@@ -145,15 +146,71 @@ async def test_multithreaded_decode_leaves_the_data_plane_only_where_a_second_te
     assert len(ran) == 5
     assert len(prompt) == 1
     assert len(decode) == 1
-    if threads == 1 or ex._range.own_pool or policy is not None:
+    if threads == 1 or ex._range.own_pool or policy is not None or openmp.can_release_teams():
         # single-threaded decode starts no team, a context with a ggml pool of its own (no OpenMP) wakes
-        # that pool from any thread, and under a wait policy a second team spins as the first: it stays
-        # inline on the data plane's thread
+        # that pool from any thread, the worker gives its team back when it goes idle (so the data plane's
+        # is the only one while the session decodes), and under a wait policy a second team spins as the
+        # first: it stays inline on the data plane's thread
         assert decode == {"dataplane"}
         assert prompt != decode
     else:  # decode starts a team: it runs where prompt chunks run, the executor's one worker thread
         assert decode == prompt
         assert "dataplane" not in decode
+
+
+def _team(name: str) -> int:
+    """Threads of this process named ``name`` (libgomp's team threads take their master's name)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == name
+        except FileNotFoundError:  # ended meanwhile
+            continue
+    return count
+
+
+async def test_the_worker_gives_its_openmp_team_back_when_idle_and_the_text_is_unchanged(model: Path) -> None:
+    """A prompt chunk on two threads starts a team on the worker; once the worker is idle that team is
+    gone (its thread ended), so the data plane's team is the process's only one while a session decodes
+    and libgomp keeps its full spin (openmp.py). The next prompt chunk starts a team again and computes
+    exactly what it did: the residuals of the same steps are bit-identical."""
+    ex = RangeExecutor(ensure_range(model, 0, 12), ExecConfig(n_ctx_per_session=256, max_sessions=1,
+                                                              n_threads=2, n_threads_solo=2, n_threads_batch=2))
+    if ex._range.own_pool or not openmp.can_release_teams():
+        ex.close()
+        pytest.skip("this llama.cpp runs no OpenMP teams (a ggml pool of its own)")
+    seen: list[int] = []
+    outs: list[list[np.ndarray]] = []
+    real = ex._range.forward_many
+
+    def spy(chunks: list[Any]) -> Any:
+        if threading.current_thread().name.startswith("llama"):
+            seen.append(_team(openmp.WORKER_NAME))  # the worker and its team, before this chunk
+        return real(chunks)
+
+    ex._range.forward_many = spy  # type: ignore[method-assign]
+
+    async def session() -> None:
+        for _ in range(2):
+            slot = ex.open_slot()
+            got = [(await ex.forward(slot, 0, tokens=PROMPT)).output.residual]
+            for pos in range(4, 7):
+                while ex._ctx.locked():  # noqa: ASYNC110 (the worker's; a step then runs inline)
+                    await asyncio.sleep(0)
+                got.append((await ex.forward(slot, pos, tokens=np.asarray([314 + pos], np.int32))).output.residual)
+            await ex.release(slot)
+            outs.append(got)
+            idle = _team(openmp.WORKER_NAME)
+            assert idle == 1, f"{idle} worker threads once the worker is idle: its team was kept"
+
+    await _on_data_plane(ex, session)
+    assert seen  # the prompt chunks ran on the worker
+    assert all(n == 1 for n in seen), seen  # each started from a worker without a team
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert a is not None
+        assert b is not None
+        assert np.array_equal(a, b)
 
 
 def test_a_context_with_a_ggml_pool_of_its_own_decodes_exactly_as_without(model: Path) -> None:

@@ -143,9 +143,12 @@ class RangeExecutor:
     """One range, loaded; sessions share its context through KV sequences."""
 
     def __init__(self, artifact: RangeArtifact, config: ExecConfig) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama",
+                                                           initializer=openmp.name_this_thread,
+                                                           initargs=(openmp.WORKER_NAME,))
         # load on the worker thread too: llama.cpp state lives on one thread
         self._range: LlamaRange = self._pool.submit(LlamaRange, artifact, config).result()
+        self._pool.submit(openmp.release_team).result()
         self.artifact = artifact
         #: the config as the range resolved it (the default --ctx-size decided)
         self.config = self._range.config
@@ -162,13 +165,17 @@ class RangeExecutor:
         #: a dispatch is scheduled or a drainer runs: forward() only queues
         self._draining = False
         #: a decode step on several threads may run on the data plane's thread: the context has a ggml pool
-        #: of its own, or libgomp keeps its spin with a team there and another on the worker (openmp.py; the
-        #: environment libgomp read when it loaded)
-        self._inline_teams = self._range.own_pool or openmp.teams_keep_their_spin()
+        #: of its own, the worker gives its OpenMP team back whenever it goes idle, or libgomp keeps its spin
+        #: with a team there and another on the worker (openmp.py; the environment libgomp read when it loaded)
+        self._inline_teams = (self._range.own_pool or openmp.can_release_teams()
+                              or openmp.teams_keep_their_spin())
 
     def run_blocking(self, fn: Callable[[LlamaRange], T]) -> T:
         """Run ``fn(range)`` on the executor's thread and wait (start-up work only)."""
-        return self._pool.submit(self._locked, fn, self._range).result()
+        try:
+            return self._pool.submit(self._locked, fn, self._range).result()
+        finally:
+            self._pool.submit(openmp.release_team).result()
 
     def _locked(self, fn: Callable[..., T], *args: object) -> T:
         with self._ctx:
@@ -318,6 +325,8 @@ class RangeExecutor:
         finally:  # whatever happened, the queue keeps draining
             if self._more():
                 self._pool.submit(self._drain)
+            else:
+                openmp.release_team()  # idle: the data plane's team is the process's only one (openmp.py)
 
     def _run_one(self, *, inline: bool = False) -> None:
         """Take the next batch and run it (the caller holds ``_ctx``)."""

@@ -18,33 +18,39 @@ A node's decode steps run on the data plane's thread (two thread wake-ups a
 step and hop fewer than on the executor's worker) while its prompt chunks run
 on the worker: two threads that each own a team. libgomp then counts more
 threads than cores and cuts every wait to its *throttled* spin, 100 rounds
-when ``OMP_WAIT_POLICY`` is unset: every barrier of every graph sleeps and
-wakes (measured: 140 context switches a token, decode at a third of its
-speed). With ``OMP_WAIT_POLICY=active`` the throttled spin is
-``min(1000, GOMP_SPINCOUNT)``, so the node sets the policy and 1,000 rounds
-(~10 µs): one spin whether it owns one team or two, long enough for a barrier
-between two operations of a graph, short enough that a hop's idle threads
-sleep while the next hop computes. Measured in turn on the 1.34 GB model
-(``python -m bench.nodeenv``): 1,000 rounds alone changes nothing against
-10,000 (0.861 vs 0.867 of the whole model); with decode steps on the data
-plane 0.901, ahead in each of 4 rounds.
+when ``OMP_WAIT_POLICY`` is unset (every barrier of every graph sleeps and
+wakes: 140 context switches a token, decode at a third of its speed), and
+``min(1000, GOMP_SPINCOUNT)`` under ``OMP_WAIT_POLICY=active``. On a host
+where a barrier's wait outlasts 1,000 rounds (~10 µs) that still sleeps ~50
+times a token and hop (measured on a slower host: 52 voluntary switches a
+token on each compute thread). So the worker gives its team back whenever it
+goes idle (``release_team``): while a session decodes, the data plane's team
+is the only one, libgomp does not throttle, and its waits spin
+``GOMP_SPINCOUNT``, which the node sets to 10,000 rounds (~0.1 ms): 2-3
+switches a token, and the route 0.796 against 0.718 of the whole model, in
+turn, ahead in 4 of 4 rounds (``python -m bench.nodeenv``; docs/performance.md).
+The policy stays ``active`` for the moments both teams live (a prompt chunk
+beside another session's decode).
 
 libgomp reads these variables once, when it is loaded (``import llama_cpp``),
 so ``configure`` runs at the very start of a node process; values the user
 set are kept, and ``teams_keep_their_spin`` tells the executor whether a
-second team is safe under them.
+second team is safe under them where teams cannot be given back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
+from collections.abc import Callable
 
-#: libgomp spin rounds before a waiting thread sleeps (~10 µs): long enough for a barrier between two
-#: operations of one graph, short enough that a hop's idle threads are asleep before the next hop computes;
-#: at most what libgomp's throttled spin allows under ``OMP_WAIT_POLICY=active`` (1,000)
-SPIN_ROUNDS = 1_000
+#: libgomp spin rounds before a waiting thread sleeps (~0.1 ms): long enough for the barriers between the
+#: operations of one graph on a slow or shared core, short enough that a hop's idle threads are asleep
+#: soon after the next hop starts computing. It holds while one team lives in the process (the worker gives
+#: its team back when it goes idle, ``release_team``); two teams cut it to libgomp's throttled spin
+SPIN_ROUNDS = 10_000
 #: the wait policy under which a second OpenMP team keeps (nearly) the same spin as one
 WAIT_POLICY = "active"
 
@@ -74,3 +80,61 @@ def teams_keep_their_spin(environ: dict[str, str] | None = None) -> bool:
     every wait to 100 rounds as soon as two threads own teams."""
     env = os.environ if environ is None else environ
     return env.get("OMP_WAIT_POLICY", "").strip().lower() in ("active", "passive")
+
+
+#: libgomp's ``omp_pause_resource_all``, once found (not looked for again: it does not go away)
+_found: list[Callable[[int], int]] = []
+
+
+def _pause() -> Callable[[int], int] | None:
+    """libgomp's ``omp_pause_resource_all`` in this process, None if no libgomp (with it) is loaded yet."""
+    if _found:
+        return _found[0]
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = [line.split() for line in maps]
+    except OSError:
+        return None
+    for path in sorted({f[5] for f in fields if len(f) >= 6 and os.path.basename(f[5]).startswith("libgomp")}):
+        try:
+            fn = ctypes.CDLL(path).omp_pause_resource_all  # already loaded: the same library, not a second
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        _found.append(fn)
+        return fn
+    return None
+
+
+def can_release_teams() -> bool:
+    """Whether ``release_team`` works here (llama.cpp's libgomp is loaded and has OpenMP 5's pause)."""
+    return _pause() is not None
+
+
+def release_team() -> None:
+    """Give back the OpenMP team the calling thread started (its threads end), if it has one.
+
+    libgomp keeps a team for every thread that ever started a parallel region, and once it manages more
+    threads than the process has CPUs it cuts every wait of every team to its throttled spin
+    (``min(1000, GOMP_SPINCOUNT)`` under ``OMP_WAIT_POLICY=active``, 100 without). A node's worker runs
+    prompt chunks on a team of its own while decode steps run on the data plane's: the worker calls this
+    whenever it goes idle, so the data plane's team is the only one while the session decodes and keeps
+    the full spin. ``omp_pause_resource_all(omp_pause_soft)`` frees only the caller's team; the next
+    region on this thread starts a new one (tens of µs, once a prompt chunk).
+    """
+    fn = _pause()
+    if fn is not None:
+        fn(1)  # omp_pause_soft
+
+
+#: the kernel's name of the executor's worker thread, and so of its OpenMP team (``top -H``, /proc/PID/task)
+WORKER_NAME = "meshnode-llama"
+
+
+def name_this_thread(name: str) -> None:
+    """Give the calling thread ``name`` (15 bytes at most) where the kernel shows it; threads it starts,
+    an OpenMP team's among them, inherit it. Python's own thread names stay inside Python."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name is cosmetic
+        pass
