@@ -302,9 +302,9 @@ class RangeExecutor:
         # never on a trio thread (a trio-asyncio loop runs there): trio's loop is never blocked.
         # A llama_decode on several threads starts an OpenMP team on the calling thread; two threads that
         # each own a team (this one and the worker) make libgomp count more threads than cores and cut its
-        # spin, to 100 rounds unless a wait policy is set (openmp.py): then every barrier of every graph
-        # sleeps and wakes (measured: 140 context switches per token, decode at a third of its speed), and
-        # such a step stays on the worker
+        # spin, to 100 rounds without a wait policy (openmp.py): then every barrier of every graph sleeps
+        # and wakes (measured: 140 context switches per token, decode at a third of its speed). Where the
+        # worker cannot give its team back when idle and no policy is set, such a step stays on the worker
         inline = (self.config.inline_decode and (self.decode_threads == 1 or self._inline_teams)
                   and not trio.lowlevel.in_trio_run() and all(self._rows(j.chunk) == 1 for j in self._queue))
         if inline and self._ctx.acquire(blocking=False):

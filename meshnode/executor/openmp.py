@@ -82,14 +82,23 @@ def teams_keep_their_spin(environ: dict[str, str] | None = None) -> bool:
     return env.get("OMP_WAIT_POLICY", "").strip().lower() in ("active", "passive")
 
 
-#: libgomp's ``omp_pause_resource_all``, once found (not looked for again: it does not go away)
-_found: list[Callable[[int], int]] = []
+#: libgomp's ``omp_pause_resource_all`` (None: none here), looked up once llama.cpp is loaded
+_found: list[Callable[[int], int] | None] = []
 
 
 def _pause() -> Callable[[int], int] | None:
-    """libgomp's ``omp_pause_resource_all`` in this process, None if no libgomp (with it) is loaded yet."""
+    """libgomp's ``omp_pause_resource_all`` in this process, None if llama.cpp brought no libgomp with it
+    (or is not loaded yet: libgomp comes with it, so the answer is kept only from then on)."""
     if _found:
         return _found[0]
+    if "llama_cpp" not in sys.modules:
+        return None
+    fn = _look_up_pause()
+    _found.append(fn)
+    return fn
+
+
+def _look_up_pause() -> Callable[[int], int] | None:
     try:
         with open("/proc/self/maps") as maps:
             fields = [line.split() for line in maps]
@@ -101,7 +110,6 @@ def _pause() -> Callable[[int], int] | None:
         except (OSError, AttributeError):
             continue
         fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        _found.append(fn)
         return fn
     return None
 
