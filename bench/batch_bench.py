@@ -65,6 +65,7 @@ def whole_child(model: str, sessions: list[int], n_tokens: int, threads: int, th
     llama_cpp.llama_backend_init()
     mp = llama_cpp.llama_model_default_params()
     mp.n_gpu_layers = 0
+    mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory, as a node does (route_bench.whole_child)
     mdl = llama_cpp.llama_model_load_from_file(model.encode(), mp)
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = 512 * n_seq_max

@@ -7,7 +7,7 @@ because what remains is llama.cpp's own price of running a model as two graphs (
 a second input set-up, the cut at the head's last layer). Each round decodes ``--tokens`` single-token
 steps on a fresh KV (8 prompt tokens first) with each side, in turn (A, B, B, A alternating by round).
 
-    python -m bench.floor [--model GGUF] [--rounds 5] [--tokens 128] [--threads 2]
+    python -m bench.floor [--model GGUF] [--rounds 5] [--tokens 128] [--threads 2] [--mmap]
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 
 
-def _whole(model: Path, threads: int, tokens: int) -> float:
+def _whole(model: Path, threads: int, tokens: int, mmap: bool = False) -> float:
     """Seconds a decode step of the whole model in ``Llama`` took, over ``tokens`` steps."""
     from llama_cpp import Llama
 
     llm = _whole.cache.get(model)  # type: ignore[attr-defined]
     if llm is None:
         llm = _whole.cache[model] = Llama(str(model), n_ctx=512, n_threads=threads,  # type: ignore[attr-defined]
-                                          n_threads_batch=threads, verbose=False)
+                                          n_threads_batch=threads, verbose=False, use_mmap=mmap)
     llm.reset()
     llm.eval([1, 2, 3, 4, 5, 6, 7, 8])
     t0 = time.perf_counter()
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mmap", action="store_true",
+                    help="map the files on both sides (default: read into memory, as a node)")
     ns = ap.parse_args(argv)
     from bench.synth import ensure_model
     from meshnode.executor import openmp
@@ -71,19 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(ns.model) if ns.model else ensure_model(1.0)
     n = inspect_model(model).n_layer
     cfg = ExecConfig(n_ctx_per_session=512, max_sessions=1, n_threads=ns.threads, n_threads_solo=ns.threads,
-                     n_threads_batch=ns.threads)
+                     n_threads_batch=ns.threads, use_mmap=ns.mmap)
     head = LlamaRange(ensure_range(model, 0, n // 2), cfg)
     tail = LlamaRange(ensure_range(model, n // 2, n), cfg)
     for r in (head, tail):
         r.decode_threads = ns.threads
-    _whole(model, ns.threads, 8)  # warm both
+    _whole(model, ns.threads, 8, ns.mmap)  # warm both
     _halves(head, tail, 8)
     ratios, wholes, halves = [], [], []
     for k in range(ns.rounds):
         order = ("whole", "halves") if k % 2 == 0 else ("halves", "whole")
         got = {}
         for side in order:
-            got[side] = _whole(model, ns.threads, ns.tokens) if side == "whole" else _halves(head, tail, ns.tokens)
+            got[side] = (_whole(model, ns.threads, ns.tokens, ns.mmap) if side == "whole"
+                         else _halves(head, tail, ns.tokens))
         wholes.append(got["whole"])
         halves.append(got["halves"])
         ratios.append(got["whole"] / got["halves"])

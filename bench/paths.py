@@ -78,7 +78,8 @@ def prefill_child(model: str, text: str, threads: int, n_ctx: int) -> dict[str, 
     """In a child: ``Llama.eval`` of the whole prompt (chunked by n_batch 512, as a route's prefill), warm."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model, verbose=False, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads)
+    llm = llama_cpp.Llama(model, verbose=False, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                          use_mmap=False)  # read into memory, as a node does (route_bench.whole_child)
     ids = llm.tokenize(text.encode(), add_bos=True, special=True)
     llm.eval(ids[:600])  # warm-up: the graphs of a full and a partial chunk
     llm.reset()

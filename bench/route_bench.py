@@ -59,7 +59,9 @@ def whole_child(model: str, n_tokens: int, threads: int, threads_batch: int) -> 
     import llama_cpp
     import numpy as np
 
-    llm = llama_cpp.Llama(model, verbose=False, n_threads=threads, n_threads_batch=threads_batch)
+    # weights read into memory, as a node reads them: decode from a mapped file rides on the page cache's
+    # state (docs/performance.md, "Weights mapped or read"); read, the whole model is at its fastest
+    llm = llama_cpp.Llama(model, verbose=False, n_threads=threads, n_threads_batch=threads_batch, use_mmap=False)
     n_vocab = llm.n_vocab()
 
     def argmax() -> int:

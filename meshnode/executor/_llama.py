@@ -55,10 +55,12 @@ def _n_expert(path: Path) -> int:
     return int(n) if isinstance(n, int) else 0
 
 
-def _load_model(path: Path, *, vocab_only: bool = False) -> llama_cpp.llama_model_p:
+def _load_model(path: Path, *, vocab_only: bool = False, use_mmap: bool = True) -> llama_cpp.llama_model_p:
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
     params.vocab_only = vocab_only
+    # off: the weights are read into this process's memory (ExecConfig.use_mmap)
+    params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelFormatError(f"llama.cpp could not load {path}")
@@ -205,7 +207,7 @@ class LlamaRange:
 
     def _open(self) -> None:
         a = self.artifact
-        self._model = _load_model(a.range_path)
+        self._model = _load_model(a.range_path, use_mmap=self.config.use_mmap)
         self._stack.callback(llama_cpp.llama_model_free, self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_layer = int(llama_cpp.llama_model_n_layer(self._model))
