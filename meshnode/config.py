@@ -13,7 +13,7 @@
     ctx_size = 8192             # tokens per session, prompt + output (default: the model's training context)
     threads = 1
     threads_batch = 2
-    mmap = false                # true: map the model file (starts sooner; decode speed then rides on the page cache)
+    mmap = false                # read the range's weights (false) or map its file (true); default: by memory
     metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
     api = "127.0.0.1:8080"      # an OpenAI-compatible API over the mesh (default: off)
     api_key = "..."             # Bearer key the API requires (needed when api is not on loopback)
@@ -54,7 +54,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "ctx_size": (int, 0),
     "threads": (int, 0),
     "threads_batch": (int, 0),
-    "mmap": (bool, False),
+    "mmap": (bool, None),
     "metrics": (str, None),
     "api": (str, None),
     "api_key": (str, None),

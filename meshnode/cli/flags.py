@@ -29,7 +29,7 @@ def exec_config(ns: argparse.Namespace) -> ExecConfig:
         n_threads_solo=ns.threads or base.n_threads_solo,
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
         inline_decode=not getattr(ns, "decode_on_worker", False),
-        use_mmap=getattr(ns, "mmap", False),
+        use_mmap=getattr(ns, "mmap", None),
     )
 
 

@@ -79,9 +79,10 @@ def _add_exec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx-size", type=int, metavar="TOKENS",
                    help="context of each session, prompt + output (default: the model's training context, "
                         "less if the KV cache of all sessions would take over a quarter of the available memory)")
-    p.add_argument("--mmap", action="store_true",
-                   help="map the model file instead of reading its weights into memory: starts sooner, but "
-                        "decode speed then depends on how the page cache holds the file (docs/performance.md)")
+    p.add_argument("--mmap", action=argparse.BooleanOptionalAction,
+                   help="map the range's file (--mmap) or read its weights into memory (--no-mmap); default: read "
+                        "while they take at most half the memory available, else map. Mapped, decode speed "
+                        "depends on how the page cache holds the file (docs/performance.md)")
     p.add_argument("--decode-on-worker", action="store_true",
                    help="hand single-token decode steps to the llama.cpp worker thread too (default: they run "
                         "on the data-plane loop's thread, two thread wake-ups less per step)")
@@ -211,7 +212,7 @@ def _node_settings(ns: argparse.Namespace) -> argparse.Namespace:
 
     file = config.load(Path(ns.config)) if ns.config else {}
     flags = {k: getattr(ns, k, None) for k in config.KEYS}
-    for key in ("auto", "insecure", "api_tls", "mmap"):  # a store_true flag not given must not override the file
+    for key in ("auto", "insecure", "api_tls"):  # a store_true flag not given must not override the file
         if flags.get(key) is False:
             flags[key] = None
     merged = config.resolve(flags, file)

@@ -34,7 +34,8 @@ from meshnode.errors import (
 )
 from meshnode.executor import _bindings
 from meshnode.executor.config import ExecConfig
-from meshnode.executor.context import resolve_ctx
+from meshnode.executor.context import mem_available, resolve_ctx
+from meshnode.executor.weights import resolve_mmap
 from meshnode.gguf.arch import InputScale
 from meshnode.gguf.archtable import POLICIES
 from meshnode.gguf.meta import read_meta
@@ -207,7 +208,8 @@ class LlamaRange:
 
     def _open(self) -> None:
         a = self.artifact
-        self._model = _load_model(a.range_path, use_mmap=self.config.use_mmap)
+        self.config = resolve_mmap(self.config, a.range_path, mem_available())
+        self._model = _load_model(a.range_path, use_mmap=bool(self.config.use_mmap))
         self._stack.callback(llama_cpp.llama_model_free, self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_layer = int(llama_cpp.llama_model_n_layer(self._model))

@@ -77,13 +77,9 @@ class ExecConfig:
     #: and libgomp, counting more threads than cores, then sleeps at every barrier (docs/performance.md).
     inline_decode: bool = True
     #: map the range's file (llama.cpp's default) instead of reading its weights into the process's own
-    #: memory. Off by default: a decode step streams every weight, and how fast it can depends on how
-    #: the kernel holds the pages it reads. A mapped file keeps whatever page-cache state it had (small
-    #: folios after a write, large ones after readahead, moved around by reclaim), so the same file
-    #: decoded 1.35x slower from one state than another on this host, for as long as the state lasted;
-    #: weights read into the process's memory decoded at the best mapped speed in every state measured
-    #: (docs/performance.md, "Weights mapped or read"). Mapping starts a node sooner. Not a numerics setting.
-    use_mmap: bool = False
+    #: memory; None: read them while they take at most half the memory available, else map
+    #: (executor/weights.py, which says why). Not a numerics setting.
+    use_mmap: bool | None = None
     #: how long an idle thread of the context's ggml pool (a llama.cpp without OpenMP) polls for the next
     #: graph before it sleeps, 0..100 (ggml's scale; 0 sleeps at once). Not a numerics setting.
     poll: int = field(default_factory=_poll)
