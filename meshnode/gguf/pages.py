@@ -7,7 +7,8 @@ come in through readahead as large folios (up to 2 MB: ``FileHugePages`` in ``/p
 are mapped in far fewer pieces, so a step takes fewer TLB misses. Measured with ``bench.ranges`` on
 the 1.34 GB synthetic model, one thread (docs/performance.md, "A second host"): layers 0:12 and
 12:24 as just cut took 39.8 and 41.1 ms a step; read back, 34.1 and 38.2 ms, and the two halves
-then cost what the whole model costs.
+then cost what the whole model costs. (A node maps its range only when memory is tight, or under
+``--mmap``; otherwise it reads the weights into its own memory: ``meshnode/executor/weights.py``.)
 
 Pages llama.cpp's own mapping faults in from disk come in large as well (a 535 MB range loaded
 from an emptied cache: 473 MB of its 548 MB resident mapped in 2 MB pages, ``FilePmdMapped`` in
