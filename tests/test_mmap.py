@@ -25,7 +25,7 @@ def _mapped(path: Path) -> bool:
         return any(line.rstrip("\n").endswith(target) for line in fh)
 
 
-def test_a_range_reads_its_weights_by_default_maps_them_on_request_and_computes_the_same_bits(model: Path) -> None:
+def test_a_range_read_or_mapped_computes_the_same_bits_and_a_read_one_maps_nothing_of_its_file(model: Path) -> None:
     from meshnode.executor._llama import LlamaRange
 
     head, tail = ensure_range(model, 0, 15), ensure_range(model, 15, 30)

@@ -195,7 +195,8 @@ class LlamaRange:
     def __init__(self, artifact: RangeArtifact, config: ExecConfig) -> None:
         _bindings.backend_init()
         self.artifact = artifact
-        self.config = resolve_ctx(config, artifact.range_path)
+        # the settings left to the file and the machine: the session context, then where the weights live
+        self.config = resolve_mmap(resolve_ctx(config, artifact.range_path), artifact.range_path, mem_available())
         self.role = artifact.role
         self._stack = contextlib.ExitStack()
         try:
@@ -208,7 +209,6 @@ class LlamaRange:
 
     def _open(self) -> None:
         a = self.artifact
-        self.config = resolve_mmap(self.config, a.range_path, mem_available())
         self._model = _load_model(a.range_path, use_mmap=bool(self.config.use_mmap))
         self._stack.callback(llama_cpp.llama_model_free, self._model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
