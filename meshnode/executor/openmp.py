@@ -11,8 +11,7 @@ route on one machine: the hop that just finished keeps a core spinning for
 milliseconds while the next hop computes on all of them. Measured on 2 vCPUs
 with a bare pipe between head and tail (``python -m bench.interference
 --threads 2 [--spin N]``; docs/performance.md, "Threads"): 42 tok/s with the
-default spin, 70-89 with 10,000 rounds (~0.1 ms), beside 76-87 for the whole
-model.
+default spin, 70-89 with 10,000 rounds, beside 76-87 for the whole model.
 
 A node's decode steps run on the data plane's thread (two thread wake-ups a
 step and hop fewer than on the executor's worker) while its prompt chunks run
@@ -26,9 +25,18 @@ times a token and hop (measured on a slower host: 52 voluntary switches a
 token on each compute thread). So the worker gives its team back whenever it
 goes idle (``release_team``): while a session decodes, the data plane's team
 is the only one, libgomp does not throttle, and its waits spin
-``GOMP_SPINCOUNT``, which the node sets to 10,000 rounds (~0.1 ms): 2-3
-switches a token, and the route 0.796 against 0.718 of the whole model, in
-turn, ahead in 4 of 4 rounds (``python -m bench.nodeenv``; docs/performance.md).
+``GOMP_SPINCOUNT``: 2-3 switches a token, and the route 0.796 against 0.718
+of the whole model, in turn, ahead in 4 of 4 rounds (``python -m
+bench.nodeenv``; docs/performance.md).
+
+A round costs 25-30 ns here, so after every graph a hop's partner thread
+spins on for 10,000 rounds ~0.25 ms of a core, 2,000 ~0.05 ms (a bare
+OpenMP region, CPU time per idle wait: ``docs/performance.md``, "The spin
+after a graph"); on two shared cores that core is the one the next hop
+starts computing on. 2,000 rounds were ahead of 10,000 in 12 of 15 rounds in
+turn over two sessions (``python -m bench.nodeenv --variant default
+--variant spin10k:GOMP_SPINCOUNT=10000``), by 1-7%; 500 rounds lost 5% (the
+graph's own barriers start to sleep), so the node sets 2,000.
 The policy stays ``active`` for the moments both teams live (a prompt chunk
 beside another session's decode).
 
@@ -46,11 +54,11 @@ import os
 import sys
 from collections.abc import Callable
 
-#: libgomp spin rounds before a waiting thread sleeps (~0.1 ms): long enough for the barriers between the
-#: operations of one graph on a slow or shared core, short enough that a hop's idle threads are asleep
+#: libgomp spin rounds before a waiting thread sleeps (~0.05 ms here): long enough for the barriers between
+#: the operations of one graph on a slow or shared core, short enough that a hop's idle threads are asleep
 #: soon after the next hop starts computing. It holds while one team lives in the process (the worker gives
 #: its team back when it goes idle, ``release_team``); two teams cut it to libgomp's throttled spin
-SPIN_ROUNDS = 10_000
+SPIN_ROUNDS = 2_000
 #: the wait policy under which a second OpenMP team keeps (nearly) the same spin as one
 WAIT_POLICY = "active"
 

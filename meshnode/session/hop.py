@@ -550,12 +550,14 @@ class HopSession:
                       replay_hops=max(s.replay_hops - 1, 0), draft=s.draft, tokens=s.tokens if s.draft else [])
         down = self.downstream
         reply = await down.send(pb.SessionFrame(route_session_id=self.session_id, route_epoch=self.epoch, step=fwd))
-        if seal is not None:
-            timing.seal.CopyFrom(seal())  # before the answer can arrive: _downstream_result copies timing then
-        return self._downstream_result(down, reply, timing, left)
+        return self._downstream_result(down, reply, timing, left, seal)
 
     async def _downstream_result(self, down: FrameStream, fut: asyncio.Future[pb.SessionReply],
-                                 timing: pb.HopTiming, left: float | None) -> pb.StepResult:
+                                 timing: pb.HopTiming, left: float | None,
+                                 seal: Callable[[], pb.SignedEnvelope] | None = None) -> pb.StepResult:
+        if seal is not None:  # once the residual's write has started (one turn of the loop): off the token's path
+            await asyncio.sleep(0)
+            timing.seal.CopyFrom(seal())  # before the answer is taken: timing goes back with it
         reply = await down.wait(fut, left if left is not None else self.limits.step_timeout)
         if reply.HasField("error"):
             raise codec.error_from_pb(reply.error)
