@@ -52,17 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     from bench import paths
     from bench.synth import ensure_model
-    from meshnode.gguf.model import inspect_model
     from meshnode.runtime.launch import local_route
 
     if not Path(__file__).resolve().parents[1].joinpath("meshnode", "_trace.py").exists():
         raise SystemExit("apply bench/trace.patch first (git apply bench/trace.patch)")
     model = Path(ns.model) if ns.model else ensure_model(1.0)
-    n = inspect_model(model).n_layer
     cpus = [[0], [1]] if ns.pinned else []
     with tempfile.TemporaryDirectory(prefix="meshnode-trace-") as d:
         prefix = os.path.join(d, "t")
-        with local_route(model, [f"0:{n // 2}", f"{n // 2}:{n}"], cpus=cpus, env={"MESHNODE_TRACE": prefix}) as nodes:
+        with local_route(model, paths.halves(model), cpus=cpus, env={"MESHNODE_TRACE": prefix}) as nodes:
             peers = [x.endpoint for x in nodes]
             _, result = paths.generate(peers, paths.PROMPT, ns.tokens, cpus=[0] if ns.pinned else None)
         rows = lines_up(glob.glob(prefix + ".*"))
