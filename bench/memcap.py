@@ -83,20 +83,29 @@ def model_files(model: Path) -> list[Path]:
     return [model, *cut.glob("*/*.gguf")]
 
 
+def _effective(f: Path, asked: int) -> int:
+    """The limit the kernel set: it rounds the one asked for to a whole page (v1 rounds up), and the
+    peak it reports is measured against that, so a peak a few KB above ``asked`` is within it."""
+    try:
+        return int(f.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return asked
+
+
 def _make(limit: int) -> MemCap:
     name = f"meshnode-cap-{uuid.uuid4().hex[:8]}"
     if (V1 / "memory.limit_in_bytes").exists() and os.access(V1, os.W_OK):
         d = V1 / name
         d.mkdir()
         (d / "memory.limit_in_bytes").write_text(str(limit))
-        return MemCap(d, 1, limit)
+        return MemCap(d, 1, _effective(d / "memory.limit_in_bytes", limit))
     for root in V2_ROOTS:
         ctl = root / "cgroup.subtree_control"
         if ctl.exists() and "memory" in ctl.read_text().split() and os.access(root, os.W_OK):
             d = root / name
             d.mkdir()
             (d / "memory.max").write_text(str(limit))
-            return MemCap(d, 2, limit)
+            return MemCap(d, 2, _effective(d / "memory.max", limit))
     raise Unavailable("no writable memory cgroup on this machine (cgroup v1 memory or v2 memory.max)")
 
 

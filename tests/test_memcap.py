@@ -6,6 +6,7 @@ of the file; the route's greedy tokens equal the whole model's run without a lim
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -95,6 +96,9 @@ def test_layer_bytes_count_blocks_and_the_vocabulary_matrices(model: Path) -> No
     assert need(w, 0, info.n_layer) <= model.stat().st_size < need(w, 0, info.n_layer) + (4 << 20)
 
 
+FORCED_SLACK = 64 * os.sysconf("SC_PAGE_SIZE")
+
+
 @pytest.fixture(scope="module")
 def big() -> Path:
     return synth.ensure_model(1.0)  # 1.34 GB, 24 layers (written once into the cache)
@@ -138,8 +142,9 @@ def test_three_capped_nodes_one_with_no_copy_equal_the_whole_model(big: Path, ca
         assert len(got["tokens"]) >= 8
         for n in nodes:
             assert n.proc.poll() is None  # none was killed by its limit
-        for cap in caps:
-            assert 0 < cap.peak() <= cap.limit
+        for cap in caps:  # the kernel may force a charge a page or so past the limit (one that cannot fail,
+            # e.g. for an exiting task); it never goes past one charge batch (64 pages) that way
+            assert 0 < cap.peak() <= cap.limit + FORCED_SLACK
             assert cap.events().get("oom_kill", 0) == 0
         print(json.dumps({"limit_mb": caps[0].limit >> 20, "peak_mb": [c.peak() >> 20 for c in caps],
                           "events": [c.events() for c in caps]}), file=sys.stderr)
