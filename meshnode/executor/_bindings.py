@@ -26,6 +26,31 @@ from meshnode.errors import ExecutorError
 LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
 
 
+def running_library(stem: str, maps: str | None = None) -> Path:
+    """The file of ggml's ``stem`` (``libggml-cpu``) that llama.cpp itself runs on.
+
+    A wheel stores ``libggml-cpu.so``, ``.so.0`` and ``.so.0.25.3`` as three copies, not links, and
+    libllama loads the one its DT_NEEDED names (``.so.0``). dlopen of another of the three maps a second
+    ggml with state of its own: a ggml pool made there computes on tables ``ggml_cpu_init`` never
+    filled and repacked weights it does not know (NaN in Gemma 3's Q4_K layers, issue 23). So: the file
+    already mapped into this process (``maps``: /proc/self/maps' text), else the one named by its SONAME
+    (the shortest ``stem.so.N``), else ``stem.so``."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            maps = ""
+    mapped = sorted({Path(fields[5]) for fields in (line.split(maxsplit=5) for line in maps.splitlines())
+                     if len(fields) == 6 and fields[5].startswith("/")
+                     and (Path(fields[5]).name == f"{stem}.so" or Path(fields[5]).name.startswith(f"{stem}.so."))},
+                    key=lambda p: (p.parent.resolve() != LIB_DIR.resolve(), len(p.name), str(p)))
+    if mapped:
+        return mapped[0]
+    versioned = sorted(LIB_DIR.glob(f"{stem}.so.*"), key=lambda p: (len(p.name), p.name))
+    return versioned[0] if versioned else LIB_DIR / f"{stem}.so"
+
+
 class CaptureState(ctypes.Structure):
     """Mirrors ``struct mn_capture`` in native/capture.c, field for field."""
 
@@ -67,9 +92,8 @@ def capture_library() -> ctypes.CDLL:
 
 @functools.cache
 def ggml_base() -> ctypes.CDLL:
-    # the same file llama-cpp-python's libllama.so links against: dlopen returns
-    # the already-loaded instance, so the pointers below are the running ggml
-    return ctypes.CDLL(str(LIB_DIR / "libggml-base.so"))
+    # the instance libllama runs on (not a second copy): the pointers below are the running ggml
+    return ctypes.CDLL(str(running_library("libggml-base")))
 
 
 def _addr(fn: Any) -> int:
@@ -131,7 +155,7 @@ DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
 @functools.cache
 def ggml() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(LIB_DIR / "libggml.so"))
+    lib = ctypes.CDLL(str(running_library("libggml")))
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_get.restype = ctypes.c_void_p
     lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
@@ -183,7 +207,7 @@ class _PoolParams(ctypes.Structure):
 
 @functools.cache
 def ggml_cpu() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(LIB_DIR / "libggml-cpu.so"))
+    lib = ctypes.CDLL(str(running_library("libggml-cpu")))
     lib.ggml_threadpool_new.restype = ctypes.c_void_p
     lib.ggml_threadpool_new.argtypes = [ctypes.POINTER(_PoolParams)]
     lib.ggml_threadpool_free.restype = None

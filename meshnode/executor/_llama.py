@@ -269,7 +269,9 @@ class LlamaRange:
         #: a ggml thread pool of this context's own (a llama.cpp built without OpenMP): its threads
         #: sleep as soon as a graph is done, so a hop that waits leaves its cores to the hop that computes
         most = max(c.n_threads, c.n_threads_batch, c.n_threads_solo)
-        self.own_pool = not _bindings.openmp() and most > 1
+        #: no OpenMP team here: the context's threads sleep (a pool of its own) or end after every graph
+        self.threads_rest = not _bindings.openmp()
+        self.own_pool = self.threads_rest and most > 1
         if self.own_pool:
             pool = _bindings.attach_threadpool(self._ctx, most, c.poll)
             self._stack.callback(_bindings.free_threadpool, self._ctx, pool)

@@ -167,7 +167,7 @@ class RangeExecutor:
         #: a decode step on several threads may run on the data plane's thread: the context has a ggml pool
         #: of its own, the worker gives its OpenMP team back whenever it goes idle, or libgomp keeps its spin
         #: with a team there and another on the worker (openmp.py; the environment libgomp read when it loaded)
-        self._inline_teams = (self._range.own_pool or openmp.can_release_teams()
+        self._inline_teams = (self._range.threads_rest or openmp.can_release_teams()
                               or openmp.teams_keep_their_spin())
 
     def run_blocking(self, fn: Callable[[LlamaRange], T]) -> T:
