@@ -164,9 +164,10 @@ class RangeExecutor:
         self._queue: list[_Job] = []
         #: a dispatch is scheduled or a drainer runs: forward() only queues
         self._draining = False
-        #: a decode step on several threads may run on the data plane's thread: the context has a ggml pool
-        #: of its own, the worker gives its OpenMP team back whenever it goes idle, or libgomp keeps its spin
-        #: with a team there and another on the worker (openmp.py; the environment libgomp read when it loaded)
+        #: a decode step on several threads may run on the data plane's thread: there is no OpenMP team (a
+        #: ggml pool of the context's own, or threads per graph), the worker gives its OpenMP team back
+        #: whenever it goes idle, or libgomp keeps its spin with a team there and another on the worker
+        #: (openmp.py; the environment libgomp read when it loaded)
         self._inline_teams = (self._range.threads_rest or openmp.can_release_teams()
                               or openmp.teams_keep_their_spin())
 
