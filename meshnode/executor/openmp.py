@@ -37,7 +37,9 @@ starts computing on. 2,000 rounds were ahead of 10,000 in 12 of 15 rounds in
 turn over two sessions (``python -m bench.nodeenv --variant default
 --variant spin10k:GOMP_SPINCOUNT=10000``), by 1-7%, and behind in 3 by 4-11%;
 500 rounds lost 5% (the graph's own barriers start to sleep), so the node
-sets 2,000.
+sets 2,000. (``.ci/install`` builds llama.cpp without OpenMP, where none of
+this applies: a context's own ggml pool sleeps after each graph; this is
+for a node on PyPI's OpenMP build.)
 The policy stays ``active`` for the moments both teams live (a prompt chunk
 beside another session's decode).
 
