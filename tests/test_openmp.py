@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -279,10 +280,10 @@ async def test_one_live_session_decodes_on_every_core_and_several_on_the_decode_
 
 def test_a_lone_sessions_threads_follow_what_its_steps_measure() -> None:
     """Each count measured once (the most threads first), then the faster one, with a probe of the other
-    every PROBE_EVERY-th step; when the host starts stealing the team's partner (its steps slow down five
-    times), the chooser moves to one thread within a probe period, and back at the first probe after the
-    steal stops."""
-    from meshnode.executor.threads import PROBE_EVERY, ThreadChooser
+    PROBE_EVERY steps after the last, the interval doubling with each probe the most threads win, up to
+    PROBE_RARELY; when the host starts stealing the team's partner (its steps slow down eight times), the
+    chooser moves to one thread at once, and back within a probe period after the steal stops."""
+    from meshnode.executor.threads import PROBE_EVERY, PROBE_RARELY, ThreadChooser
 
     c = ThreadChooser((1, 2))
     assert c.pick() == 2
@@ -290,27 +291,47 @@ def test_a_lone_sessions_threads_follow_what_its_steps_measure() -> None:
     assert c.pick() == 1
     c.record(1, 0.005)
     quiet = {2: 0.003, 1: 0.005}
-    picks = []
-    for _ in range(2 * PROBE_EVERY):
-        n = c.pick()
-        assert c.pick() == n  # asking again changes nothing
-        picks.append(n)
-        c.record(n, quiet[n])
-    assert picks.count(1) == 2  # a probe a period, the rest on two threads
-    stolen = {2: 0.025, 1: 0.005}
-    picks = []
-    for _ in range(2 * PROBE_EVERY):
-        n = c.pick()
-        picks.append(n)
-        c.record(n, stolen[n])
+
+    def run(steps: int, times: dict[int, float]) -> list[int]:
+        picks = []
+        for _ in range(steps):
+            n = c.pick()
+            assert c.pick() == n  # asking again changes nothing
+            picks.append(n)
+            c.record(n, times[n])
+        return picks
+
+    picks = run(4 * PROBE_RARELY, quiet)
+    probes = [i for i, n in enumerate(picks) if n == 1]
+    assert probes[0] == PROBE_EVERY - 1  # the first a period in
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps == sorted(gaps)  # backing off
+    assert gaps[0] == 2 * PROBE_EVERY
+    assert gaps[-1] == PROBE_RARELY
+    assert len(probes) < 4 * PROBE_RARELY // PROBE_EVERY // 4  # far fewer than one a PROBE_EVERY
+    picks = run(2 * PROBE_EVERY, {2: 0.025, 1: 0.005})
+    assert picks.index(1) < 4  # the favourite slowed: probed at once, and it lost
     assert picks[-PROBE_EVERY:].count(2) <= 1  # on one thread, probing two now and then
-    picks = []
-    for _ in range(3 * PROBE_EVERY):
-        n = c.pick()
-        picks.append(n)
-        c.record(n, quiet[n])
-    assert picks[-2 * PROBE_EVERY:].count(2) >= 2 * PROBE_EVERY - 2  # back on two threads
+    picks = run(3 * PROBE_EVERY, quiet)
+    assert picks.index(2) <= PROBE_EVERY  # a stealing host's favourite keeps probing every PROBE_EVERY
+    assert picks[-2 * PROBE_EVERY:].count(2) >= 2 * PROBE_EVERY - 1  # back on two threads
     assert ThreadChooser((2, 2)).options == (2,)  # --threads N: nothing to choose
+
+
+def test_fewer_threads_take_over_only_when_clearly_faster() -> None:
+    """A probe of one thread that measures a little faster than two (a lull in the host's noise) leaves
+    the session on two threads; one that measures MARGIN faster moves it."""
+    from meshnode.executor.threads import MARGIN, PROBE_EVERY, ThreadChooser
+
+    c = ThreadChooser((1, 2))
+    c.record(c.pick(), 0.010)
+    c.record(c.pick(), 0.010 / (1 + MARGIN / 2))  # one thread, a little faster
+    assert c.pick() == 2
+    for _ in range(PROBE_EVERY - 1):
+        c.record(c.pick(), 0.010)
+    assert c.pick() == 1  # the probe
+    c.record(1, 0.010 / (1 + 2 * MARGIN))  # clearly faster
+    assert c.pick() == 1
 
 
 @pytest.mark.parametrize("value", ["fast", "-1", "101", ""])
