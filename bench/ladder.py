@@ -173,26 +173,47 @@ def _recv(sock: socket.socket) -> bytes:
     return _recv_exact(sock, _LEN.unpack(_recv_exact(sock, 4))[0])
 
 
+class _Loop:
+    """The head's decode loop, whatever carries its messages: the prompt's step, then ``tokens`` decode
+    steps timed, each token fed back as the next step's input."""
+
+    def __init__(self, hop: _Hop, tokens: int) -> None:
+        hop.r.release(0)
+        self.hop, self.tokens = hop, tokens
+        self.toks, self.pos, self.t0 = PROMPT, 0, 0.0
+        self.got: list[int] = []
+        self.residual: Any = None
+
+    def out(self, i: int) -> bytes:
+        if i == 1:
+            self.t0 = time.perf_counter()  # the prompt's step is not a decode step
+        data, self.residual = self.hop.head_step(i + 1, self.pos, self.toks)
+        return data
+
+    def sent(self, i: int) -> None:
+        self.hop.head_after_send(i + 1, self.pos, self.toks, self.residual)
+
+    def back(self, data: bytes) -> None:
+        self.got.append(self.hop.head_read(data))
+        self.pos += len(self.toks)
+        self.toks = np.array([self.got[-1]], dtype=np.int32)
+
+    def result(self) -> tuple[float, list[int]]:
+        return (time.perf_counter() - self.t0) / self.tokens, self.got
+
+
 def _head_blocking(hop: _Hop, port: int, tokens: int) -> tuple[float, list[int]]:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    hop.r.release(0)
-    toks, pos, got = PROMPT, 0, []
-    t0 = 0.0
+    loop = _Loop(hop, tokens)
     for i in range(tokens + 1):
-        if i == 1:
-            t0 = time.perf_counter()  # the prompt's step is not a decode step
-        data, residual = hop.head_step(i + 1, pos, toks)
-        _send(sock, data)
-        hop.head_after_send(i + 1, pos, toks, residual)
-        tok = hop.head_read(_recv(sock))
-        got.append(tok)
-        pos += len(toks)
-        toks = np.array([tok], dtype=np.int32)
-    took = time.perf_counter() - t0
+        _send(sock, loop.out(i))
+        loop.sent(i)
+        loop.back(_recv(sock))
+    result = loop.result()
     _send(sock, b"")
     sock.close()
-    return took / tokens, got
+    return result
 
 
 def _tail_blocking(hop: _Hop, srv: socket.socket) -> None:
@@ -210,27 +231,19 @@ def _tail_blocking(hop: _Hop, srv: socket.socket) -> None:
 async def _head_asyncio(hop: _Hop, port: int, tokens: int) -> tuple[float, list[int]]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    hop.r.release(0)
-    toks, pos, got = PROMPT, 0, []
-    t0 = 0.0
+    loop = _Loop(hop, tokens)
     for i in range(tokens + 1):
-        if i == 1:
-            t0 = time.perf_counter()
-        data, residual = hop.head_step(i + 1, pos, toks)
+        data = loop.out(i)
         writer.write(_LEN.pack(len(data)) + data)
         await writer.drain()
         await asyncio.sleep(0)  # the seal after the write has started, as the node yields once
-        hop.head_after_send(i + 1, pos, toks, residual)
-        n = _LEN.unpack(await reader.readexactly(4))[0]
-        tok = hop.head_read(await reader.readexactly(n))
-        got.append(tok)
-        pos += len(toks)
-        toks = np.array([tok], dtype=np.int32)
-    took = time.perf_counter() - t0
+        loop.sent(i)
+        loop.back(await reader.readexactly(_LEN.unpack(await reader.readexactly(4))[0]))
+    result = loop.result()
     writer.write(_LEN.pack(0))
     await writer.drain()
     writer.close()
-    return took / tokens, got
+    return result
 
 
 async def _tail_asyncio(hop: _Hop, srv: socket.socket) -> None:
@@ -258,24 +271,16 @@ async def _head_grpc(hop: _Hop, port: int, tokens: int) -> tuple[float, list[int
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         call = ch.stream_stream(METHOD)()
-        hop.r.release(0)
-        toks, pos, got = PROMPT, 0, []
-        t0 = 0.0
+        loop = _Loop(hop, tokens)
         for i in range(tokens + 1):
-            if i == 1:
-                t0 = time.perf_counter()
-            data, residual = hop.head_step(i + 1, pos, toks)
-            await call.write(data)
+            await call.write(loop.out(i))
             await asyncio.sleep(0)
-            hop.head_after_send(i + 1, pos, toks, residual)
-            tok = hop.head_read(await call.read())
-            got.append(tok)
-            pos += len(toks)
-            toks = np.array([tok], dtype=np.int32)
-        took = time.perf_counter() - t0
+            loop.sent(i)
+            loop.back(await call.read())
+        result = loop.result()
         await call.done_writing()
         await call.read()
-    return took / tokens, got
+    return result
 
 
 async def _tail_grpc(hop: _Hop, port_out: Connection) -> None:
