@@ -92,4 +92,4 @@ class ThreadChooser:
         now = self._best()
         self.interval = min(self.interval * 2, PROBE_RARELY) if now == best == self.options[0] else PROBE_EVERY
         self.since = 0
-        self.best_then = self.mean[self._best()]
+        self.best_then = self.mean[now]
