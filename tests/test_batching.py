@@ -3,6 +3,7 @@ steps gives every session exactly what it gets alone (head, middle-capture and t
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import trio_asyncio
 
 from meshnode.errors import CacheMissError, ExecutorError, ShapeError
 from meshnode.executor._llama import Chunk, LlamaRange, batchable
-from meshnode.executor.api import RangeExecutor, pick_batch
+from meshnode.executor.api import MOST_WAIT_ITERATIONS, QUIET_ITERATIONS, RangeExecutor, pick_batch, settled
 from meshnode.executor.config import ExecConfig
 from meshnode.gguf.slicer import ensure_range
 
@@ -138,6 +139,45 @@ async def test_concurrent_forwards_coalesce_into_batches(model: Path) -> None:
             for s in slots:
                 await trio_asyncio.aio_as_trio(ex.release)(s)
         assert ex.free_slots == 8
+    finally:
+        ex.close()
+
+
+def test_a_group_dispatches_when_whole_or_when_nothing_more_comes() -> None:
+    assert settled(4, 4, 0, 0)  # the whole group is queued
+    assert settled(8, 0, QUIET_ITERATIONS, 1)  # no bound: nothing new for a while
+    assert not settled(3, 4, 0, 1)  # a fourth was queued an iteration ago: the rest may follow
+    assert not settled(3, 4, QUIET_ITERATIONS - 1, 2)
+    assert settled(3, 4, QUIET_ITERATIONS, 3)
+    assert settled(1, 4, 0, MOST_WAIT_ITERATIONS)  # a group trickling in never holds the first step longer
+
+
+def test_a_group_arriving_over_several_loop_iterations_runs_as_one_batch(model: Path) -> None:
+    """Each session's frame reaches the executor from its own coroutine: a group whose steps come one
+    loop iteration apart (as the rows of one link message do) still runs as one llama_decode, on a
+    plain asyncio loop as a node's data plane is (where a decode step runs inline)."""
+    ex = RangeExecutor(ensure_range(model, 0, CUT), ExecConfig(max_sessions=4, n_threads=1))
+    try:
+        slots = [ex.open_slot() for _ in range(4)]
+
+        async def one(slot: int, pos: int) -> None:
+            for _ in range(slot):  # session k reaches the executor k iterations after the first
+                await asyncio.sleep(0)
+            await ex.forward(slot, pos, tokens=np.asarray([slot + 1], np.int32))
+
+        async def rounds() -> None:
+            for pos in range(3):
+                await asyncio.gather(*(one(s, pos) for s in slots))
+            for s in slots:
+                await ex.release(s)
+
+        loop = asyncio.SelectorEventLoop()  # as transport/aiothread.py makes it (not trio-asyncio's)
+        try:
+            loop.run_until_complete(rounds())
+        finally:
+            loop.close()
+        assert ex.steps_total == 12
+        assert ex.batches_total == 3  # one llama_decode a round, not one per arrival
     finally:
         ex.close()
 

@@ -14,7 +14,10 @@ queued by then; ``pick_batch`` takes the oldest chunk plus later ones of the
 same length for other sessions, within one micro-batch, and they run as a
 single llama_decode: one pass over the weights serves all of them. A lone
 session pays nothing for this; concurrent sessions' steps coalesce on their
-own while the context is busy.
+own while the context is busy. While several sessions are live, their decode
+steps also wait for each other until a group is whole or a loop iteration or
+two bring no more (``settled``): one link message's rows reach the executor
+from their sessions' coroutines an iteration or two apart.
 
 Where a batch runs: a batch of single-token decode steps (a few ms) runs
 right there on the data-plane loop's thread when ``ExecConfig.inline_decode``
@@ -93,6 +96,27 @@ def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int, most: int = 0)
     return chosen
 
 
+#: loop iterations in a row that must queue nothing new before several sessions' decode steps dispatch
+QUIET_ITERATIONS = 2
+#: loop iterations a dispatch waits for a group at the most (a group trickling in never holds it longer)
+MOST_WAIT_ITERATIONS = 16
+
+
+def settled(queued: int, full: int, quiet: int, waited: int) -> bool:
+    """Whether several live sessions' queued decode steps should run now rather than after one more
+    loop iteration of the data plane.
+
+    ``queued`` steps wait, ``full`` would make a whole group (0: no bound), ``quiet`` iterations in a
+    row queued nothing new, ``waited`` iterations have passed since the first of them was queued. The
+    hop before this one computed a group as one batch and its rows arrive in one link message, but each
+    session's frame reaches the executor from its own coroutine, one or two iterations apart: run on
+    the first, a group of 4 becomes a batch of 1 and one of 3, two passes over the weights for one.
+    """
+    if full and queued >= full:
+        return True
+    return quiet >= QUIET_ITERATIONS or waited >= MOST_WAIT_ITERATIONS
+
+
 def _awaitable(cfut: concurrent.futures.Future[T], loop: asyncio.AbstractEventLoop) -> asyncio.Future[T]:
     """``asyncio.wrap_future`` with a same-thread fast path.
 
@@ -164,6 +188,9 @@ class RangeExecutor:
         self._queue: list[_Job] = []
         #: a dispatch is scheduled or a drainer runs: forward() only queues
         self._draining = False
+        #: while several sessions' decode steps gather for one batch (``settled``): the queue's length at
+        #: the last look, the iterations in a row it stayed so, the iterations waited
+        self._gather = (0, 0, 0)
         #: a decode step on several threads may run on the data plane's thread: there is no OpenMP team (a
         #: ggml pool of the context's own, or threads per graph), the worker gives its OpenMP team back
         #: whenever it goes idle, or libgomp keeps its spin with a team there and another on the worker
@@ -300,6 +327,9 @@ class RangeExecutor:
         A batch of decode steps runs here if the context is free; anything else, and anything
         left after it, is handed to the worker thread, which drains the queue.
         """
+        if not self._gathered():
+            asyncio.get_running_loop().call_soon(self._dispatch)
+            return
         # never on a trio thread (a trio-asyncio loop runs there): trio's loop is never blocked.
         # A llama_decode on several threads starts an OpenMP team on the calling thread; two threads that
         # each own a team (this one and the worker) make libgomp count more threads than cores and cut its
@@ -317,6 +347,25 @@ class RangeExecutor:
                 asyncio.get_running_loop().call_soon(self._dispatch)  # more arrived meanwhile: same rules
             return
         self._pool.submit(self._drain)
+
+    def _gathered(self) -> bool:
+        """Whether the queue may dispatch now: always, unless several sessions' decode steps are
+        still gathering into one batch (``settled``)."""
+        with self._lock:
+            queued = len(self._queue)
+            if (self.live_slots <= 1 or not self._range.batches_exactly
+                    or not all(self._rows(j.chunk) == 1 for j in self._queue)):
+                self._gather = (0, 0, 0)
+                return True
+            groups = max((j.groups for j in self._queue), default=1)
+            full = -(-self.live_slots // groups)
+            seen, quiet, waited = self._gather
+            quiet = quiet + 1 if queued <= seen else 0
+            if settled(queued, full, quiet, waited):
+                self._gather = (0, 0, 0)
+                return True
+            self._gather = (queued, quiet, waited + 1)
+            return False
 
     def _drain(self) -> None:
         """On the worker: run one batch of what is queued, then come back for the rest."""
