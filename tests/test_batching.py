@@ -13,7 +13,14 @@ import trio_asyncio
 
 from meshnode.errors import CacheMissError, ExecutorError, ShapeError
 from meshnode.executor._llama import Chunk, LlamaRange, batchable
-from meshnode.executor.api import MOST_WAIT_ITERATIONS, QUIET_ITERATIONS, RangeExecutor, pick_batch, settled
+from meshnode.executor.api import (
+    MOST_WAIT_ITERATIONS,
+    QUIET_ITERATIONS,
+    RangeExecutor,
+    group_of,
+    pick_batch,
+    settled,
+)
 from meshnode.executor.config import ExecConfig
 from meshnode.gguf.slicer import ensure_range
 
@@ -28,6 +35,27 @@ def test_pick_batch_takes_equal_lengths_of_distinct_sessions() -> None:
     assert pick_batch([(0, 1), (1, 1), (0, 1), (2, 7), (3, 1)], 512) == [0, 1, 4]
     assert pick_batch([(5, 7), (1, 1), (2, 7)], 512) == [0, 2]
     assert pick_batch([(0, 300), (1, 300)], 512) == [0]  # would span two micro-batches
+    assert pick_batch([(2, 1), (4, 1), (3, 1), (0, 1), (1, 1)], 512, 3, among={0, 1, 2, 3}) == [0, 2, 3]
+
+
+def test_groups_are_runs_of_consecutive_live_slots() -> None:
+    # llama.cpp runs one batch over consecutive sequences only: a hop's groups are blocks of its live slots
+    assert group_of(range(8), 5, 4) == [4, 5, 6, 7]
+    assert group_of(range(8), 0, 4) == [0, 1, 2, 3]
+    assert group_of([0, 1, 5, 6, 7], 5, 2) == [5, 6]
+    assert group_of([0, 1, 5, 6, 7], 7, 2) == [7]
+    assert group_of([0, 1], 3, 2) == [3]  # not live: alone
+
+
+def test_a_slot_is_the_one_preferred_when_free(model: Path) -> None:
+    ex = RangeExecutor(ensure_range(model, 0, CUT), ExecConfig(max_sessions=4))
+    try:
+        assert ex.open_slot(2) == 2
+        assert ex.open_slot() == 0  # no preference: the lowest free
+        assert ex.open_slot(2) == 1  # taken: the lowest free
+        assert ex.open_slot(99) == 3  # out of range: a hint, never an error
+    finally:
+        ex.close()
     assert batchable([4, 4], 8)
     assert not batchable([4, 4], 7)
     assert not batchable([1, 2], 512)
@@ -178,6 +206,37 @@ def test_a_group_arriving_over_several_loop_iterations_runs_as_one_batch(model: 
             loop.close()
         assert ex.steps_total == 12
         assert ex.batches_total == 3  # one llama_decode a round, not one per arrival
+    finally:
+        ex.close()
+
+
+def test_a_hop_before_others_computes_groups_of_consecutive_slots(model: Path) -> None:
+    """Steps queued in the order 0, 2, 4, 6, 1, 3, 5, 7 at a hop with one hop after it run as the groups
+    {0..3} and {4..7} (one pass over the weights each), not as {0, 2, 4, 6} (four passes in llama.cpp)."""
+    ex = RangeExecutor(ensure_range(model, 0, CUT), ExecConfig(max_sessions=8, n_threads=1))
+    batches: list[list[int]] = []
+    run = ex._range.forward_many
+
+    def recorded(chunks: list[Chunk]) -> list[object]:
+        batches.append(sorted(c.seq for c in chunks))
+        return run(chunks)  # type: ignore[return-value]
+
+    ex._range.forward_many = recorded  # type: ignore[method-assign]
+    try:
+        slots = [ex.open_slot() for _ in range(8)]
+
+        async def step() -> None:
+            order = [0, 2, 4, 6, 1, 3, 5, 7]
+            await asyncio.gather(*(ex.forward(s, 0, tokens=np.asarray([s + 1], np.int32), groups=2) for s in order))
+            for s in slots:
+                await ex.release(s)
+
+        loop = asyncio.SelectorEventLoop()
+        try:
+            loop.run_until_complete(step())
+        finally:
+            loop.close()
+        assert sorted(batches) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     finally:
         ex.close()
 

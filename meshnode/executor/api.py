@@ -46,7 +46,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -73,13 +73,15 @@ class Timed:
     batch_size: int = 1
 
 
-def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int, most: int = 0) -> list[int]:
+def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int, most: int = 0,
+               among: Collection[int] | None = None) -> list[int]:
     """Indices of the queued chunks ``[(seq, n_tokens)]`` (oldest first) to run as one batch.
 
     The oldest always runs; later chunks of other sessions join while the
     batch stays ``batchable`` (equal lengths within one micro-batch), so no
     session waits behind a batch it could not join for longer than one step;
-    ``most`` (0: no bound) chunks at the most.
+    ``most`` (0: no bound) chunks at the most, of sessions ``among`` these
+    (None: any).
     """
     if not pending:
         return []
@@ -88,7 +90,7 @@ def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int, most: int = 0)
     for i, (seq, n) in enumerate(pending[1:], start=1):
         if most and len(chosen) >= most:
             break
-        if seq in seqs or not batchable([*lengths, n], n_ubatch):
+        if seq in seqs or (among is not None and seq not in among) or not batchable([*lengths, n], n_ubatch):
             continue
         chosen.append(i)
         seqs.add(seq)
@@ -96,24 +98,46 @@ def pick_batch(pending: Sequence[tuple[int, int]], n_ubatch: int, most: int = 0)
     return chosen
 
 
+def group_of(live: Sequence[int], seq: int, size: int) -> list[int]:
+    """The group of ``seq`` when the live slots, in order, are cut into blocks of ``size``.
+
+    llama.cpp runs one batch over consecutive sequences only (a batch of slots 0, 2, 4 and 6 is four
+    passes over the weights; docs/protocol.md, "Batches"), so a hop's groups are runs of its slots, and
+    a group that is a run at one hop is one at the next (``SessionOpen.slot_hint``).
+    """
+    order = sorted(live)
+    if seq not in order or size < 1:
+        return [seq]
+    at = order.index(seq) // size * size
+    return order[at:at + size]
+
+
 #: loop iterations in a row that must queue nothing new before several sessions' decode steps dispatch
 QUIET_ITERATIONS = 2
 #: loop iterations a dispatch waits for a group at the most (a group trickling in never holds it longer)
 MOST_WAIT_ITERATIONS = 16
+#: a hop with hops after it waits for the rest of its oldest step's group at most this many times its last
+#: decode batch's time (the other groups pass through the hops after it meanwhile)
+PATIENCE_BATCHES = 2.0
+#: seconds between looks while waiting so (not a busy loop: the core may be another hop's meanwhile)
+WAIT_STEP = 0.0005
 
 
-def settled(queued: int, full: int, quiet: int, waited: int) -> bool:
-    """Whether several live sessions' queued decode steps should run now rather than after one more
-    loop iteration of the data plane.
+def settled(queued: int, full: int, quiet: int, waited: int, late: float = 0.0, patience: float = 0.0) -> bool:
+    """Whether several live sessions' queued decode steps should run now rather than a little later.
 
-    ``queued`` steps wait, ``full`` would make a whole group (0: no bound), ``quiet`` iterations in a
-    row queued nothing new, ``waited`` iterations have passed since the first of them was queued. The
-    hop before this one computed a group as one batch and its rows arrive in one link message, but each
-    session's frame reaches the executor from its own coroutine, one or two iterations apart: run on
-    the first, a group of 4 becomes a batch of 1 and one of 3, two passes over the weights for one.
+    ``queued`` steps of the group wait, ``full`` would make it whole (0: no bound), ``quiet`` loop
+    iterations in a row queued nothing new, ``waited`` iterations and ``late`` seconds have passed since
+    the first look. The hop before this one computed a group as one batch and its rows arrive in one
+    link message, but each session's frame reaches the executor from its own coroutine, one or two
+    iterations apart: run on the first, a group of 4 becomes a batch of 1 and one of 3, two passes over
+    the weights for one. A hop with hops after it also waits up to ``patience`` seconds for members of
+    its group still computing further on: groups whose sessions came apart come back together.
     """
     if full and queued >= full:
         return True
+    if late < patience:
+        return False
     return quiet >= QUIET_ITERATIONS or waited >= MOST_WAIT_ITERATIONS
 
 
@@ -188,9 +212,13 @@ class RangeExecutor:
         self._queue: list[_Job] = []
         #: a dispatch is scheduled or a drainer runs: forward() only queues
         self._draining = False
-        #: while several sessions' decode steps gather for one batch (``settled``): the queue's length at
-        #: the last look, the iterations in a row it stayed so, the iterations waited
-        self._gather = (0, 0, 0)
+        #: while several sessions' decode steps gather for one batch (``settled``): the group's steps queued
+        #: at the last look, the iterations in a row that stayed so, the iterations waited, when it began
+        self._gather: tuple[int, int, int, float] | None = None
+        #: ``batches_total`` when each slot's last decode step ran: a slot that ran lately is active
+        self._ran: dict[int, int] = {}
+        #: seconds the last batch of decode steps took
+        self._batch_seconds = 0.0
         #: a decode step on several threads may run on the data plane's thread: there is no OpenMP team (a
         #: ggml pool of the context's own, or threads per graph), the worker gives its OpenMP team back
         #: whenever it goes idle, or libgomp keeps its spin with a team there and another on the worker
@@ -244,13 +272,36 @@ class RangeExecutor:
 
     # -- sessions --------------------------------------------------------------
 
-    def open_slot(self) -> int:
+    def open_slot(self, prefer: int | None = None) -> int:
+        """A free slot: ``prefer`` if it is free (the slot the hop before gave the session), else the
+        lowest free one (llama.cpp batches runs of consecutive sequence ids: ``group_of``)."""
         with self._lock:
             if not self._free:
                 raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
-            # the lowest free slot: llama.cpp batches runs of consecutive sequence ids
+            if prefer is not None and prefer in self._free:
+                self._free.remove(prefer)
+                return prefer
             self._free.sort(reverse=True)
             return self._free.pop()
+
+    def _live(self) -> list[int]:
+        """Under ``_lock``: the slots in use, in order."""
+        free = set(self._free)
+        return [s for s in range(self.config.max_sessions) if s not in free]
+
+    def _group(self) -> tuple[list[int] | None, int, int]:
+        """Under ``_lock``, with decode steps queued: the sessions the oldest step's batch may take (None:
+        any), how many steps make it whole, and the groups. Hops after this one: the oldest's group of the
+        active slots (``group_of``; active: queued, or run in the last 2 x groups batches, so a session
+        that idles between requests is nobody's to wait for); the tail (or a lone hop): every live one."""
+        groups = max((j.groups for j in self._queue), default=1)
+        if groups <= 1:
+            return None, self.live_slots, 1
+        queued = {j.chunk.seq for j in self._queue}
+        recent = self.batches_total - 2 * groups
+        active = [s for s in self._live() if s in queued or self._ran.get(s, recent - 1) >= recent]
+        block = group_of(active, self._queue[0].chunk.seq, -(-len(active) // groups))
+        return block, len(block), groups
 
     async def release(self, slot: int) -> None:
         """Free the slot's KV and hand the slot back; completes even if the caller is cancelled.
@@ -262,6 +313,7 @@ class RangeExecutor:
         being released; run later, they would write into a freed or reused slot).
         """
         with self._lock:
+            self._ran.pop(slot, None)
             stale = [j for j in self._queue if j.chunk.seq == slot]
             self._queue = [j for j in self._queue if j.chunk.seq != slot]
         for job in stale:
@@ -308,12 +360,15 @@ class RangeExecutor:
         # a chunk whose waiter was cancelled before it started never runs (its future
         # is cancelled and could take no result)
         self._queue = [j for j in self._queue if not j.future.cancelled()]
-        groups = max((j.groups for j in self._queue), default=1)
+        if not self._queue:
+            return []
         decode = all(self._rows(j.chunk) == 1 for j in self._queue)
-        most = -(-self.live_slots // groups) if groups > 1 and decode else 0
+        among, size, _ = self._group() if decode else (None, 0, 1)
+        most = 0 if among is None else size
         if not self._range.batches_exactly:
-            most = 1  # a MoE range: one session per llama_decode (LlamaRange.batches_exactly)
-        idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch, most)
+            among, most = None, 1  # a MoE range: one session per llama_decode (LlamaRange.batches_exactly)
+        idx = pick_batch([(j.chunk.seq, self._rows(j.chunk)) for j in self._queue], self.config.n_ubatch, most,
+                         None if among is None else set(among))
         picked = [self._queue[i] for i in idx]
         for i in sorted(idx, reverse=True):
             del self._queue[i]
@@ -327,8 +382,13 @@ class RangeExecutor:
         A batch of decode steps runs here if the context is free; anything else, and anything
         left after it, is handed to the worker thread, which drains the queue.
         """
-        if not self._gathered():
-            asyncio.get_running_loop().call_soon(self._dispatch)
+        wait = self._gathered()
+        if wait is not None:
+            loop = asyncio.get_running_loop()
+            if wait:
+                loop.call_later(wait, self._dispatch)
+            else:
+                loop.call_soon(self._dispatch)
             return
         # never on a trio thread (a trio-asyncio loop runs there): trio's loop is never blocked.
         # A llama_decode on several threads starts an OpenMP team on the calling thread; two threads that
@@ -348,24 +408,26 @@ class RangeExecutor:
             return
         self._pool.submit(self._drain)
 
-    def _gathered(self) -> bool:
-        """Whether the queue may dispatch now: always, unless several sessions' decode steps are
-        still gathering into one batch (``settled``)."""
+    def _gathered(self) -> float | None:
+        """None if the queue may dispatch now: always, unless several sessions' decode steps are still
+        gathering into one batch (``settled``); then the seconds until the next look (0: the next loop
+        iteration)."""
         with self._lock:
-            queued = len(self._queue)
-            if (self.live_slots <= 1 or not self._range.batches_exactly
+            if (self.live_slots <= 1 or not self._range.batches_exactly or not self._queue
                     or not all(self._rows(j.chunk) == 1 for j in self._queue)):
-                self._gather = (0, 0, 0)
-                return True
-            groups = max((j.groups for j in self._queue), default=1)
-            full = -(-self.live_slots // groups)
-            seen, quiet, waited = self._gather
+                self._gather = None
+                return None
+            among, full, groups = self._group()
+            queued = len(self._queue) if among is None else sum(j.chunk.seq in among for j in self._queue)
+            now = time.monotonic()
+            seen, quiet, waited, since = self._gather or (0, 0, 0, now)
             quiet = quiet + 1 if queued <= seen else 0
-            if settled(queued, full, quiet, waited):
-                self._gather = (0, 0, 0)
-                return True
-            self._gather = (queued, quiet, waited + 1)
-            return False
+            patience = PATIENCE_BATCHES * self._batch_seconds if groups > 1 else 0.0
+            if settled(queued, full, quiet, waited, now - since, min(patience, 1.0)):
+                self._gather = None
+                return None
+            self._gather = (queued, quiet, waited + 1, since)
+            return WAIT_STEP if quiet >= QUIET_ITERATIONS else 0.0
 
     def _drain(self) -> None:
         """On the worker: run one batch of what is queued, then come back for the rest."""
@@ -408,6 +470,10 @@ class RangeExecutor:
             outs, took = [e] * len(jobs), 0
         self.steps_total += len(jobs)
         self.batches_total += 1
+        if all(self._rows(j.chunk) == 1 for j in jobs):
+            self._batch_seconds = took / 1e9
+            for j in jobs:
+                self._ran[j.chunk.seq] = self.batches_total
         for job, out in zip(jobs, outs, strict=True):
             if isinstance(out, Exception):
                 job.future.set_exception(out)

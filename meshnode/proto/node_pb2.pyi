@@ -1205,6 +1205,7 @@ class SessionOpen(_message.Message):
     RESUME_FIELD_NUMBER: _builtins.int
     N_PAST_FIELD_NUMBER: _builtins.int
     SAMPLED_FIELD_NUMBER: _builtins.int
+    SLOT_HINT_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """sender's schema version"""
     route_session_id: _builtins.str
@@ -1227,6 +1228,13 @@ class SessionOpen(_message.Message):
     """
     n_past: _builtins.int
     """with resume: positions the initiator has results for"""
+    slot_hint: _builtins.int
+    """Set by the hop that forwards the open: the KV slot the session holds there. The next hop
+    gives it the same slot when that one is free, so sessions a hop computes as one group hold
+    consecutive slots at every hop (llama.cpp runs one batch only over consecutive sequences,
+    docs/protocol.md, "Batches"). A hint: any value is accepted, a slot taken or out of range
+    means the lowest free one.
+    """
     @_builtins.property
     def range(self) -> Global___LayerRange:
         """the range this hop is to run"""
@@ -1282,12 +1290,15 @@ class SessionOpen(_message.Message):
         resume: _builtins.bool = ...,
         n_past: _builtins.int = ...,
         sampled: _abc.Iterable[_builtins.int] | None = ...,
+        slot_hint: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["forwarder_proof", b"forwarder_proof", "limits", b"limits", "numerics", b"numerics", "range", b"range", "sampling", b"sampling", "signed_open", b"signed_open"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_slot_hint", b"_slot_hint", "forwarder_proof", b"forwarder_proof", "limits", b"limits", "numerics", b"numerics", "range", b"range", "sampling", b"sampling", "signed_open", b"signed_open", "slot_hint", b"slot_hint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_nanos", b"deadline_unix_nanos", "downstream", b"downstream", "forwarder_proof", b"forwarder_proof", "limits", b"limits", "model_fingerprint", b"model_fingerprint", "n_past", b"n_past", "numerics", b"numerics", "range", b"range", "resume", b"resume", "return_logits", b"return_logits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "sampled", b"sampled", "sampling", b"sampling", "schema_version", b"schema_version", "signed_open", b"signed_open", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slot_hint", b"_slot_hint", "deadline_unix_nanos", b"deadline_unix_nanos", "downstream", b"downstream", "forwarder_proof", b"forwarder_proof", "limits", b"limits", "model_fingerprint", b"model_fingerprint", "n_past", b"n_past", "numerics", b"numerics", "range", b"range", "resume", b"resume", "return_logits", b"return_logits", "route_epoch", b"route_epoch", "route_session_id", b"route_session_id", "sampled", b"sampled", "sampling", b"sampling", "schema_version", b"schema_version", "signed_open", b"signed_open", "slot_hint", b"slot_hint", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__slot_hint: _TypeAlias = _typing.Literal["slot_hint"]  # noqa: Y015
+    _WhichOneofArgType__slot_hint: _TypeAlias = _typing.Literal["_slot_hint", b"_slot_hint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slot_hint) -> _WhichOneofReturnType__slot_hint | None: ...
 
 Global___SessionOpen: _TypeAlias = SessionOpen  # noqa: Y015
 

@@ -214,7 +214,7 @@ class HopSession:
         if prior is not None:
             await self.adopt(prior, o)
         else:
-            self.slot = self.executor.open_slot()
+            self.slot = self.executor.open_slot(o.slot_hint if o.HasField("slot_hint") else None)
         assert self.slot is not None
         if cap.range.end == cap.n_layer:  # an audited tail draws too: the initiator compares the tokens
             self.chain = self._rebuild_chain(sampling, o.sampled, o.n_past)
@@ -282,6 +282,8 @@ class HopSession:
         fwd.limits.CopyFrom(self.negotiated)
         fwd.signed_open.CopyFrom(nxt.signed_open)
         fwd.forwarder_proof.CopyFrom(forward_proof(self.ident, nxt_open))
+        assert self.slot is not None
+        fwd.slot_hint = self.slot  # the next hop's groups of sessions then match this one's (docs/protocol.md)
         frame = pb.SessionFrame(route_session_id=o.route_session_id, route_epoch=o.route_epoch, open=fwd)
         timeout = codec.seconds_left(o.deadline_unix_nanos) or self.limits.step_timeout
         reply = await self.downstream.exchange(frame, timeout)
