@@ -1005,6 +1005,8 @@ def _valid_open_fields(data: st.DataObject, head: bool) -> dict[str, Any]:
     }
     if d(st.booleans()):
         fields["deadline_unix_nanos"] = time.time_ns() + 120 * 10**9
+    if d(st.booleans()):  # a hint: any value opens (on the slot it names if free, else the lowest free)
+        fields["slot_hint"] = d(st.integers(0, 3) | st.integers(0, UINT32))
     return fields
 
 
