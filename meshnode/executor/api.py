@@ -17,7 +17,12 @@ session pays nothing for this; concurrent sessions' steps coalesce on their
 own while the context is busy. While several sessions are live, their decode
 steps also wait for each other until a group is whole or a loop iteration or
 two bring no more (``settled``): one link message's rows reach the executor
-from their sessions' coroutines an iteration or two apart.
+from their sessions' coroutines an iteration or two apart. A hop with hops
+after it cuts its active slots, in order, into as many groups as there are
+hops to the tail (``group_of``): llama.cpp runs a batch over consecutive KV
+sequences only, so a group must be a run of slots; it waits a bounded time
+for a group's members still computing further on, so groups that came apart
+come back together.
 
 Where a batch runs: a batch of single-token decode steps (a few ms) runs
 right there on the data-plane loop's thread when ``ExecConfig.inline_decode``
@@ -119,6 +124,8 @@ MOST_WAIT_ITERATIONS = 16
 #: a hop with hops after it waits for the rest of its oldest step's group at most this many times its last
 #: decode batch's time (the other groups pass through the hops after it meanwhile)
 PATIENCE_BATCHES = 2.0
+#: ... and never more than this many seconds
+MOST_PATIENCE = 1.0
 #: seconds between looks while waiting so (not a busy loop: the core may be another hop's meanwhile)
 WAIT_STEP = 0.0005
 
@@ -423,7 +430,7 @@ class RangeExecutor:
             seen, quiet, waited, since = self._gather or (0, 0, 0, now)
             quiet = quiet + 1 if queued <= seen else 0
             patience = PATIENCE_BATCHES * self._batch_seconds if groups > 1 else 0.0
-            if settled(queued, full, quiet, waited, now - since, min(patience, 1.0)):
+            if settled(queued, full, quiet, waited, now - since, min(patience, MOST_PATIENCE)):
                 self._gather = None
                 return None
             self._gather = (queued, quiet, waited + 1, since)
