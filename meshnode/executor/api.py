@@ -18,11 +18,11 @@ own while the context is busy. While several sessions are live, their decode
 steps also wait for each other until a group is whole or a loop iteration or
 two bring no more (``settled``): one link message's rows reach the executor
 from their sessions' coroutines an iteration or two apart. A hop with hops
-after it cuts its active slots, in order, into as many groups as there are
-hops to the tail (``group_of``): llama.cpp runs a batch over consecutive KV
+after it (the head) cuts its active slots, in order, into as many groups as
+there are hops (``group_of``): llama.cpp runs a batch over consecutive KV
 sequences only, so a group must be a run of slots; it waits a bounded time
 for a group's members still computing further on, so groups that came apart
-come back together.
+come back together. The hops after it take the groups as they arrive.
 
 Where a batch runs: a batch of single-token decode steps (a few ms) runs
 right there on the data-plane loop's thread when ``ExecConfig.inline_decode``
@@ -121,7 +121,7 @@ def group_of(live: Sequence[int], seq: int, size: int) -> list[int]:
 QUIET_ITERATIONS = 2
 #: loop iterations a dispatch waits for a group at the most (a group trickling in never holds it longer)
 MOST_WAIT_ITERATIONS = 16
-#: a hop with hops after it waits for the rest of its oldest step's group at most this many times its last
+#: the head of a route waits for the rest of its oldest step's group at most this many times its last
 #: decode batch's time (the other groups pass through the hops after it meanwhile)
 PATIENCE_BATCHES = 2.0
 #: ... and never more than this many seconds
@@ -138,8 +138,8 @@ def settled(queued: int, full: int, quiet: int, waited: int, late: float = 0.0, 
     the first look. The hop before this one computed a group as one batch and its rows arrive in one
     link message, but each session's frame reaches the executor from its own coroutine, one or two
     iterations apart: run on the first, a group of 4 becomes a batch of 1 and one of 3, two passes over
-    the weights for one. A hop with hops after it also waits up to ``patience`` seconds for members of
-    its group still computing further on: groups whose sessions came apart come back together.
+    the weights for one. The head of a route also waits up to ``patience`` seconds for members of its
+    group still computing further on: groups whose sessions came apart come back together.
     """
     if full and queued >= full:
         return True
@@ -298,11 +298,14 @@ class RangeExecutor:
 
     def _group(self) -> tuple[list[int] | None, int, int]:
         """Under ``_lock``, with decode steps queued: the sessions the oldest step's batch may take (None:
-        any), how many steps make it whole, and the groups. Hops after this one: the oldest's group of the
-        active slots (``group_of``; active: queued, or run in the last 2 x groups batches, so a session
-        that idles between requests is nobody's to wait for); the tail (or a lone hop): every live one."""
+        any), how many steps make it whole, and the groups. The head of a route of several hops: the
+        oldest's group of the active slots (``group_of``; active: queued, or run in the last 2 x groups
+        batches, so a session that idles between requests is nobody's to wait for); any other hop: every
+        live one."""
         groups = max((j.groups for j in self._queue), default=1)
-        if groups <= 1:
+        if groups <= 1 or not self._range.takes_tokens:
+            # the head forms the groups; a hop after it takes what arrives, the head's groups as they come
+            # (slot hints keep them runs here too), where its own cut could split one
             return None, self.live_slots, 1
         queued = {j.chunk.seq for j in self._queue}
         recent = self.batches_total - 2 * groups
