@@ -296,9 +296,9 @@ class RangeExecutor:
         free = set(self._free)
         return [s for s in range(self.config.max_sessions) if s not in free]
 
-    def _group(self) -> tuple[list[int] | None, int, int]:
+    def _group(self) -> tuple[list[int] | None, int]:
         """Under ``_lock``, with decode steps queued: the sessions the oldest step's batch may take (None:
-        any), how many steps make it whole, and the groups. The head of a route of several hops: the
+        any) and how many steps make it whole. The head of a route of several hops: the
         oldest's group of the active slots (``group_of``; active: queued, or run in the last 2 x groups
         batches, so a session that idles between requests is nobody's to wait for); any other hop: every
         live one."""
@@ -306,12 +306,12 @@ class RangeExecutor:
         if groups <= 1 or not self._range.takes_tokens:
             # the head forms the groups; a hop after it takes what arrives, the head's groups as they come
             # (slot hints keep them runs here too), where its own cut could split one
-            return None, self.live_slots, 1
+            return None, self.live_slots
         queued = {j.chunk.seq for j in self._queue}
         recent = self.batches_total - 2 * groups
         active = [s for s in self._live() if s in queued or self._ran.get(s, recent - 1) >= recent]
         block = group_of(active, self._queue[0].chunk.seq, -(-len(active) // groups))
-        return block, len(block), groups
+        return block, len(block)
 
     async def release(self, slot: int) -> None:
         """Free the slot's KV and hand the slot back; completes even if the caller is cancelled.
@@ -372,8 +372,8 @@ class RangeExecutor:
         self._queue = [j for j in self._queue if not j.future.cancelled()]
         if not self._queue:
             return []
-        decode = all(self._rows(j.chunk) == 1 for j in self._queue)
-        among, size, _ = self._group() if decode else (None, 0, 1)
+        decode = self._decoding(self._queue)
+        among, size = self._group() if decode else (None, 0)
         most = 0 if among is None else size
         if not self._range.batches_exactly:
             among, most = None, 1  # a MoE range: one session per llama_decode (LlamaRange.batches_exactly)
@@ -407,7 +407,7 @@ class RangeExecutor:
         # and wakes (measured: 140 context switches per token, decode at a third of its speed). Where the
         # worker cannot give its team back when idle and no policy is set, such a step stays on the worker
         inline = (self.config.inline_decode and (self.decode_threads == 1 or self._inline_teams)
-                  and not trio.lowlevel.in_trio_run() and all(self._rows(j.chunk) == 1 for j in self._queue))
+                  and not trio.lowlevel.in_trio_run() and self._decoding(self._queue))
         if inline and self._ctx.acquire(blocking=False):
             try:
                 self._run_one(inline=True)
@@ -424,15 +424,15 @@ class RangeExecutor:
         iteration)."""
         with self._lock:
             if (self.live_slots <= 1 or not self._range.batches_exactly or not self._queue
-                    or not all(self._rows(j.chunk) == 1 for j in self._queue)):
+                    or not self._decoding(self._queue)):
                 self._gather = None
                 return None
-            among, full, groups = self._group()
+            among, full = self._group()
             queued = len(self._queue) if among is None else sum(j.chunk.seq in among for j in self._queue)
             now = time.monotonic()
             seen, quiet, waited, since = self._gather or (0, 0, 0, now)
             quiet = quiet + 1 if queued <= seen else 0
-            patience = PATIENCE_BATCHES * self._batch_seconds if groups > 1 else 0.0
+            patience = PATIENCE_BATCHES * self._batch_seconds if among is not None else 0.0  # the head
             if settled(queued, full, quiet, waited, now - since, min(patience, MOST_PATIENCE)):
                 self._gather = None
                 return None
@@ -480,7 +480,7 @@ class RangeExecutor:
             outs, took = [e] * len(jobs), 0
         self.steps_total += len(jobs)
         self.batches_total += 1
-        if all(self._rows(j.chunk) == 1 for j in jobs):
+        if self._decoding(jobs):
             self._batch_seconds = took / 1e9
             for j in jobs:
                 self._ran[j.chunk.seq] = self.batches_total
@@ -489,6 +489,11 @@ class RangeExecutor:
                 job.future.set_exception(out)
             else:
                 job.future.set_result(Timed(out, took, len(jobs)))
+
+    @classmethod
+    def _decoding(cls, jobs: Sequence[_Job]) -> bool:
+        """Whether every chunk is one decode step (a row)."""
+        return all(cls._rows(j.chunk) == 1 for j in jobs)
 
     @staticmethod
     def _rows(c: Chunk) -> int:
