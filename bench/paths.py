@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import re
 import statistics
 import subprocess
@@ -32,9 +33,27 @@ PROMPT = "The three primary colors are"
 SHORT, LONG = 16, 208
 
 
+#: the whole model's child runs with the weights in huge pages, as a node does (meshnode/executor/hugepages.py):
+#: its fastest setting on this machine kind. ``BENCH_BASELINE_PAGES=small`` runs it as ``Llama`` starts by itself.
+BASELINE_HUGE = os.environ.get("BENCH_BASELINE_PAGES", "huge") != "small"
+
+
+def baseline_env() -> dict[str, str]:
+    """The environment of a whole-model child: the node's huge-page tunable unless BENCH_BASELINE_PAGES=small."""
+    from meshnode.executor.hugepages import THP_ENABLED, thp_mode, wants_tunable, with_tunable
+
+    env = dict(os.environ)
+    try:
+        thp = thp_mode(THP_ENABLED.read_text())
+    except OSError:
+        return env
+    return with_tunable(env) if BASELINE_HUGE and wants_tunable(env, thp, platform.libc_ver()) else env
+
+
 def _child(args: Sequence[str], cpus: Sequence[int] = ()) -> dict[str, Any]:
     """Run ``python -m bench.X ...`` (its last stdout line is one JSON object)."""
-    done = subprocess.run([*taskset(cpus), sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([*taskset(cpus), sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=baseline_env())
     if done.returncode != 0:
         raise RuntimeError(f"python -m {args[0]} {args[1]} failed: {done.stderr.strip()[-800:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -59,6 +59,8 @@ def whole_child(model: str, n_tokens: int, threads: int, threads_batch: int) -> 
     import llama_cpp
     import numpy as np
 
+    from meshnode.executor.hugepages import huge_bytes
+
     # weights read into memory, as a node reads them: decode from a mapped file rides on the page cache's
     # state (docs/performance.md, "Weights mapped or read"); read, the whole model is at its fastest
     llm = llama_cpp.Llama(model, verbose=False, n_threads=threads, n_threads_batch=threads_batch, use_mmap=False)
@@ -90,6 +92,7 @@ def whole_child(model: str, n_tokens: int, threads: int, threads_batch: int) -> 
     return {"short_ids": short, "long_ids": long, "prefill_s": prefill, "decode_tps": n_tokens / short_dec,
             "decode_long_tps": n_tokens / long_dec, "short_tokens": short_toks, "long_tokens": long_toks,
             "rss_mb": proc_status_mb("self")["VmHWM"],
+            "huge_mb": huge_bytes(Path("/proc/self/smaps_rollup").read_text()) / 2**20,
             "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     from meshnode.runtime.launch import local_route
 
     print(f"command: python -m bench.sizes {' '.join(sys.argv[1:] if argv is None else argv)}")
+    from bench.paths import baseline_env
+
+    pages = ("huge pages, as a node's (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)" if "hugetlb=1" in
+             baseline_env().get("GLIBC_TUNABLES", "") else "pages as the process starts with")
+    print(f"the whole model's weights: read into memory, in {pages}; BENCH_BASELINE_PAGES=small for the latter")
     out: dict[str, Any] = {}
     for name in ns.only or list(models()):
         model = models()[name]()

@@ -14,6 +14,7 @@
     threads = 1
     threads_batch = 2
     mmap = false                # read the range's weights (false) or map its file (true); default: by memory
+    huge_pages = true           # weights read into memory and the KV cache in transparent huge pages
     metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
     api = "127.0.0.1:8080"      # an OpenAI-compatible API over the mesh (default: off)
     api_key = "..."             # Bearer key the API requires (needed when api is not on loopback)
@@ -55,6 +56,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "threads": (int, 0),
     "threads_batch": (int, 0),
     "mmap": (bool, None),
+    "huge_pages": (bool, None),
     "metrics": (str, None),
     "api": (str, None),
     "api_key": (str, None),

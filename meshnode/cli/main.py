@@ -296,6 +296,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise errors.InputError("give --model (a file here) or --mesh (fetch it from the mesh's nodes), not both")
     if ns.share_rate is not None and ns.share_rate < 0:
         raise errors.InputError("--share-rate is MiB a second, 0 or more")
+    if ns.huge_pages is not False:  # before any work a second start would repeat (the flags are checked)
+        from meshnode.executor.hugepages import reexec_with_huge_pages
+
+        reexec_with_huge_pages()
     if ns.mesh:
         model, start, end = _fetch_share(ns, auto)
     elif auto:
@@ -751,6 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="with --auto: this node's memory budget; it takes no more layers than their "
                                 "weights fit in three quarters of it (default: 0.8 of what the machine or its "
                                 "cgroup has available)")
+        p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction,
+                       help="weights read into memory and the KV cache in transparent huge pages, where the kernel "
+                            "gives them only when asked (THP 'madvise'; default: on, the node starts itself again "
+                            "with glibc.malloc.hugetlb=1; docs/performance.md, 'Weights in huge pages')")
         _add_exec_flags(p)
         p.set_defaults(func=cmd_serve, join=name == "join")
 
