@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -40,14 +39,9 @@ BASELINE_HUGE = os.environ.get("BENCH_BASELINE_PAGES", "huge") != "small"
 
 def baseline_env() -> dict[str, str]:
     """The environment of a whole-model child: the node's huge-page tunable unless BENCH_BASELINE_PAGES=small."""
-    from meshnode.executor.hugepages import THP_ENABLED, thp_mode, wants_tunable, with_tunable
+    from meshnode.executor.hugepages import env_here
 
-    env = dict(os.environ)
-    try:
-        thp = thp_mode(THP_ENABLED.read_text())
-    except OSError:
-        return env
-    return with_tunable(env) if BASELINE_HUGE and wants_tunable(env, thp, platform.libc_ver()) else env
+    return (env_here(os.environ) if BASELINE_HUGE else None) or dict(os.environ)
 
 
 def _child(args: Sequence[str], cpus: Sequence[int] = ()) -> dict[str, Any]:

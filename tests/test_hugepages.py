@@ -8,7 +8,6 @@ Where the kernel gives huge pages only when asked (THP ``madvise``), a node star
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,16 +62,8 @@ def _environ(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
 
 
-def _madvise_kernel() -> bool:
-    try:
-        mode = hp.thp_mode(hp.THP_ENABLED.read_text())
-    except OSError:
-        return False
-    return hp.wants_tunable({}, mode, platform.libc_ver())
-
-
 def test_a_node_holds_its_weights_in_huge_pages_and_not_when_told(node_factory: Callable[..., object]) -> None:
-    if not _madvise_kernel():
+    if hp.env_here({}) is None:
         pytest.skip("this kernel gives huge pages without asking, or not at all: nothing to ask for")
     on = node_factory("0:15")
     off = node_factory("15:30", extra=("--no-huge-pages",))

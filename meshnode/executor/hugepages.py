@@ -64,20 +64,26 @@ def with_tunable(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def env_here(env: Mapping[str, str]) -> dict[str, str] | None:
+    """``env`` with the tunable, if starting with it changes something on this machine; else None."""
+    try:
+        thp = thp_mode(THP_ENABLED.read_text())
+    except OSError:
+        return None
+    return with_tunable(env) if wants_tunable(env, thp, platform.libc_ver()) else None
+
+
 def reexec_with_huge_pages() -> None:
     """Start this process again (``execve``: same PID) with the tunable, if it changes anything here.
 
     Call it before anything worth keeping exists: threads, sockets, loaded models are all gone after."""
-    try:
-        thp = thp_mode(THP_ENABLED.read_text())
-    except OSError:
-        return
-    if not wants_tunable(os.environ, thp, platform.libc_ver()):
+    env = env_here(os.environ)
+    if env is None:
         return
     log.debug("starting again with %s=1 (transparent huge pages for the weights)", TUNABLE)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], with_tunable(os.environ))
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def huge_bytes(smaps_rollup: str) -> int:
