@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mmap", action="store_true",
                     help="map the files on both sides (default: read into memory, as a node)")
     ns = ap.parse_args(argv)
+    from bench.paths import huge_pages_here
+
+    huge_pages_here()  # llama.cpp runs in this process: in the pages a node's runs in
     from bench.synth import ensure_model
     from meshnode.executor import openmp
 

@@ -44,6 +44,15 @@ def baseline_env() -> dict[str, str]:
     return (env_here(os.environ) if BASELINE_HUGE else None) or dict(os.environ)
 
 
+def huge_pages_here() -> None:
+    """An in-process benchmark (llama.cpp in this process) starts again with the node's huge pages, unless
+    BENCH_BASELINE_PAGES=small: what it measures is then what a node runs."""
+    if BASELINE_HUGE:
+        from meshnode.executor.hugepages import reexec_with_huge_pages
+
+        reexec_with_huge_pages()
+
+
 def _child(args: Sequence[str], cpus: Sequence[int] = ()) -> dict[str, Any]:
     """Run ``python -m bench.X ...`` (its last stdout line is one JSON object)."""
     done = subprocess.run([*taskset(cpus), sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,

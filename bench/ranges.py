@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--reread", action="store_true", help="sync, drop and re-read each range file's pages first")
     ns = ap.parse_args(argv)
+    from bench.paths import huge_pages_here
+
+    huge_pages_here()  # llama.cpp runs in this process: in the pages a node's runs in
     from bench.synth import ensure_model
     from meshnode.executor import openmp
 

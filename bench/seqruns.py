@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="batches timed a round")
     ap.add_argument("--threads", type=int, default=1)
     ns = ap.parse_args(argv)
+    from bench.paths import huge_pages_here
+
+    huge_pages_here()  # llama.cpp runs in this process: in the pages a node's runs in
     from bench import synth
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.executor._llama import Chunk, LlamaRange
