@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnode import config
+from meshnode import config, errors
 from meshnode.executor import hugepages as hp
 
 GLIBC = ("glibc", "2.36")
@@ -54,7 +54,7 @@ def test_the_config_file_may_turn_it_off(tmp_path: Path) -> None:
     f.write_text("huge_pages = false\n")
     assert config.load(f)["huge_pages"] is False
     f.write_text('huge_pages = "no"\n')
-    with pytest.raises(Exception, match="huge_pages"):
+    with pytest.raises(errors.InputError, match="huge_pages"):
         config.load(f)
 
 

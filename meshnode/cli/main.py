@@ -277,6 +277,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from meshnode.executor import openmp
 
     ns = _node_settings(ns)
+    if ns.huge_pages is not False:  # first: everything below (~0.6 s of imports) would be done twice
+        from meshnode.executor.hugepages import reexec_with_huge_pages
+
+        reexec_with_huge_pages()
     openmp.configure(ns.threads or ExecConfig().n_threads_solo)  # before llama.cpp loads: libgomp reads it once
     from meshnode.executor._bindings import silence_llama_logs
     from meshnode.node import NodeConfig, run_node
@@ -296,10 +300,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise errors.InputError("give --model (a file here) or --mesh (fetch it from the mesh's nodes), not both")
     if ns.share_rate is not None and ns.share_rate < 0:
         raise errors.InputError("--share-rate is MiB a second, 0 or more")
-    if ns.huge_pages is not False:  # before any work a second start would repeat (the flags are checked)
-        from meshnode.executor.hugepages import reexec_with_huge_pages
-
-        reexec_with_huge_pages()
     if ns.mesh:
         model, start, end = _fetch_share(ns, auto)
     elif auto:
