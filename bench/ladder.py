@@ -307,8 +307,12 @@ async def _tail_grpc(hop: _Hop, port_out: Connection) -> None:
     await server.stop(None)
 
 
-def worker(role: str, model: str, cut: tuple[int, int], threads: int, conn: Connection, as_node: bool = False) -> None:
-    """A process holding one half (or the whole model, ``role`` "whole"): runs what the driver asks."""
+def worker(role: str, model: str, cut: tuple[int, int], threads: int, conn: Connection, as_node: bool = False,
+           cpus: tuple[int, ...] = ()) -> None:
+    """A process holding one half (or the whole model, ``role`` "whole"): runs what the driver asks, on
+    ``cpus`` only if given (``--pinned``)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if role == "whole":  # as bench.route_bench's whole child: weights read, greedy by argmax
         import llama_cpp
 
@@ -359,9 +363,9 @@ def worker(role: str, model: str, cut: tuple[int, int], threads: int, conn: Conn
 
 
 def _start(ctx: Any, role: str, model: Path, cut: tuple[int, int], threads: int,
-           as_node: bool = False) -> tuple[Any, Connection]:
+           as_node: bool = False, cpus: tuple[int, ...] = ()) -> tuple[Any, Connection]:
     a, b = ctx.Pipe()
-    p = ctx.Process(target=worker, args=(role, str(model), cut, threads, b, as_node), daemon=True)
+    p = ctx.Process(target=worker, args=(role, str(model), cut, threads, b, as_node, cpus), daemon=True)
     p.start()
     if a.recv() != "ready":
         raise SystemExit(f"the {role} worker did not start")
@@ -387,7 +391,8 @@ def _cpu(pid: int) -> float:
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _route_decode(peers: list[str], pids: list[int], extra: list[str]) -> tuple[float, list[int], list[Any]]:
+def _route_decode(peers: list[str], pids: list[int], extra: list[str],
+                  cpus: tuple[int, ...] = ()) -> tuple[float, list[int], list[Any]]:
     """A route through ``meshnode generate``, decode by difference (as bench.sizes): (seconds a token, the
     tokens, per node (CPU, llama.cpp) seconds a token, then the initiator's CPU seconds a token)."""
     import resource
@@ -399,9 +404,9 @@ def _route_decode(peers: list[str], pids: list[int], extra: list[str]) -> tuple[
         return r.ru_utime + r.ru_stime
 
     c0, i0 = [_cpu(p) for p in pids], child()
-    ts, short = paths.generate(peers, paths.PROMPT, paths.SHORT, extra=extra)
+    ts, short = paths.generate(peers, paths.PROMPT, paths.SHORT, cpus, extra=extra)
     c1, i1 = [_cpu(p) for p in pids], child()
-    tl, long = paths.generate(peers, paths.PROMPT, paths.LONG, extra=extra)
+    tl, long = paths.generate(peers, paths.PROMPT, paths.LONG, cpus, extra=extra)
     c2, i2 = [_cpu(p) for p in pids], child()
     n = len(long["tokens"]) - len(short["tokens"])
     hops = long["hops"]["per_hop"]
@@ -433,8 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--route", type=route_variant, action="append", default=[], metavar="NAME[@DIR][:ARG,...]",
                     help="a route of two meshnode serve halves with these node arguments too (repeat), e.g. "
                          "default, t2:--threads,2 or before@/tmp/parent (nodes run from that copy's code)")
+    ap.add_argument("--pinned", action="store_true",
+                    help="two machines simulated, as bench.sizes --setting pinned: one thread each, the whole "
+                         "model, the head (and a route's initiator) on CPU 0, the tail on CPU 1")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
+    from bench.paths import huge_pages_here
+
+    huge_pages_here()  # the halves and the whole model in the pages a node's weights are in
+    if ns.pinned:
+        ns.threads = 1
+    place = {"whole": (0,), "head": (0,), "tail": (1,)} if ns.pinned else {}
     from bench.synth import ensure_model
     from meshnode.gguf.model import inspect_model
 
@@ -446,12 +460,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.2f}", flush=True)
     ctx = mp.get_context("spawn")
     procs = []
-    pw, whole = _start(ctx, "whole", model, (0, n), ns.threads)
+    pw, whole = _start(ctx, "whole", model, (0, n), ns.threads, cpus=place.get("whole", ()))
     procs.append(pw)
     pairs: dict[bool, tuple[Connection, Connection]] = {}
     for as_node in sorted({r.endswith("+node") for r in rungs}):
-        (ph, head), (pt, tail) = (_start(ctx, "head", model, (0, n // 2), ns.threads, as_node),
-                                  _start(ctx, "tail", model, (n // 2, n), ns.threads, as_node))
+        (ph, head), (pt, tail) = (_start(ctx, "head", model, (0, n // 2), ns.threads, as_node, place.get("head", ())),
+                                  _start(ctx, "tail", model, (n // 2, n), ns.threads, as_node, place.get("tail", ())))
         procs += [ph, pt]
         pairs[as_node] = (head, tail)
     import contextlib
@@ -460,15 +474,16 @@ def main(argv: list[str] | None = None) -> int:
     from meshnode.runtime.launch import start_node
 
     stack = contextlib.ExitStack()
-    routes: dict[str, tuple[list[str], list[int], list[str]]] = {}
+    routes: dict[str, tuple[list[str], list[int], list[str], tuple[int, ...]]] = {}
     for name, args, where in ns.route:
         nodes = []
-        for cut in (f"0:{n // 2}", f"{n // 2}:{n}"):
-            nodes.append(start_node(model, cut, extra=args, prefix=["env", "-C", where] if where else ()))
+        for cut, role in ((f"0:{n // 2}", "head"), (f"{n // 2}:{n}", "tail")):
+            nodes.append(start_node(model, cut, extra=args, prefix=["env", "-C", where] if where else (),
+                                    cpus=place.get(role, ())))
             stack.callback(nodes[-1].stop)
         extra = [a for a in args if a == "--insecure"]  # the initiator speaks as the nodes do
-        routes[name] = ([x.endpoint for x in nodes], [x.proc.pid for x in nodes], extra)
-        paths.generate(routes[name][0], paths.PROMPT, 4, extra=extra)  # warm-up: both graphs built
+        routes[name] = ([x.endpoint for x in nodes], [x.proc.pid for x in nodes], extra, place.get("head", ()))
+        paths.generate(routes[name][0], paths.PROMPT, 4, place.get("head", ()), extra=extra)  # warm-up
     sides = ["whole", *rungs, *routes]
     ratios: dict[str, list[float]] = {s: [] for s in sides[1:]}
     times: dict[str, list[float]] = {s: [] for s in sides}
