@@ -22,7 +22,11 @@ rungs say: the step from one rung to the next is what that layer costs; what the
 last rung is the session layer itself (checks, futures, outboxes, metrics, TLS, the trio thread, the
 initiator's process).
 
-    python -m bench.ladder [--rounds 5] [--tokens 96] [--threads 2] [--route] [--rung bare --rung grpc ...]
+``--pinned`` simulates two machines as ``bench.sizes --setting pinned`` does: one thread each, the whole
+model, the head and a route's head node and initiator on CPU 0, the tail and a route's tail node on CPU 1;
+the ``bare`` rung then shows what splitting the model over two processes on two cores costs by itself.
+
+    python -m bench.ladder [--rounds 5] [--tokens 96] [--threads 2] [--pinned] [--route] [--rung bare --rung grpc ...]
 """
 
 from __future__ import annotations
