@@ -13,7 +13,8 @@ with both sides' figures.
 * ``one-machine`` (default): the halves unpinned at their defaults against the whole model at its best
   thread count, decode through ``meshnode generate``;
 * ``pinned``: two machines simulated, each half under ``taskset`` on a core of its own and the initiator
-  beside the head, against the whole model on one core;
+  beside the head, against the whole model on one core, measured just before and just after each route
+  run (A B A: the mean of the two);
 * ``sessions8``: the same pinned route decoding 8 concurrent sessions (aggregate tok/s, 64 tokens each,
   ``bench.batch_bench``'s initiator) against the whole model batching the 8 on one core.
 
@@ -68,22 +69,28 @@ def _summary(rows: list[dict[str, Any]], tokens_equal: bool, compared: int) -> d
 
 
 def pinned_in_turn(model: Path, peers: list[str], rounds: int, short: int, long: int) -> dict[str, Any]:
-    """One session: the whole model on core 0 (one thread), then the pinned route through ``meshnode
-    generate`` on core 0 (by difference), per round."""
+    """One session: the whole model on core 0 (one thread) and the pinned route through ``meshnode
+    generate`` on core 0 (by difference), in turn as A B A B ... A: each round's route is set against the
+    whole model's runs just before and just after it (the mean of their times a token), so a host that
+    drifts steadily across a round weighs on both sides alike; ``rounds + 1`` runs of the whole model."""
     from bench import paths
 
     paths.generate(peers, paths.PROMPT, 4, cpus=[0])  # warm-up
-    rows, whole_tokens, route_tokens = [], [], []
+    rows, route_tokens = [], []
+    before = paths.whole_decode(model, 1, long - short, cpus=[0])
+    whole_tokens = before["short_tokens"]
     for i in range(rounds):
-        w = paths.whole_decode(model, 1, long - short, cpus=[0])
-        whole_tokens = w["short_tokens"]
         ts, s = paths.generate(peers, paths.PROMPT, short, cpus=[0])
         tl, lg = paths.generate(peers, paths.PROMPT, long, cpus=[0])
+        after = paths.whole_decode(model, 1, long - short, cpus=[0])
         route, route_tokens = (len(lg["tokens"]) - len(s["tokens"])) / (tl - ts), lg["tokens"]
-        rows.append({"whole_tps": w["decode_tps"], "route_tps": route, "ratio": route / w["decode_tps"],
-                     "hops": lg.get("hops")})
-        print(f"  round {i + 1}: whole (Llama, core 0, 1 thread) {w['decode_tps']:.2f} tok/s; pinned route via "
-              f"`meshnode generate` {route:.2f} tok/s; ratio {route / w['decode_tps']:.3f}", flush=True)
+        whole = 2 / (1 / before["decode_tps"] + 1 / after["decode_tps"])  # the mean time a token, as tok/s
+        rows.append({"whole_tps": whole, "whole_before_tps": before["decode_tps"], "whole_after_tps":
+                     after["decode_tps"], "route_tps": route, "ratio": route / whole, "hops": lg.get("hops")})
+        print(f"  round {i + 1}: whole (Llama, core 0, 1 thread) {before['decode_tps']:.2f} before and "
+              f"{after['decode_tps']:.2f} after tok/s; pinned route via `meshnode generate` {route:.2f} tok/s; "
+              f"ratio {route / whole:.3f}", flush=True)
+        before = after
     n = min(len(route_tokens), len(whole_tokens))
     return _summary(rows, n > 0 and route_tokens[:n] == whole_tokens[:n], n)
 
