@@ -26,7 +26,11 @@ initiator's process).
 model, the head and a route's head node and initiator on CPU 0, the tail and a route's tail node on CPU 1;
 the ``bare`` rung then shows what splitting the model over two processes on two cores costs by itself.
 
-    python -m bench.ladder [--rounds 5] [--tokens 96] [--threads 2] [--pinned] [--route] [--rung bare --rung grpc ...]
+``--fresh`` adds the whole model as ``bench.sizes`` runs it: a ``Llama`` process started for the
+measurement (``bench.route_bench``'s whole child, reading the weights again), beside the long-lived one
+every ratio is taken against; its ratio says how much faster a fresh process decodes.
+
+    python -m bench.ladder [--rounds 5] [--tokens 96] [--threads 2] [--pinned] [--fresh] [--route NAME] [--rung RUNG]
 """
 
 from __future__ import annotations
@@ -445,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pinned", action="store_true",
                     help="two machines simulated, as bench.sizes --setting pinned: one thread each, the whole "
                          "model, the head (and a route's initiator) on CPU 0, the tail on CPU 1")
+    ap.add_argument("--fresh", action="store_true",
+                    help="the whole model in a process started for each measurement too, as bench.sizes runs it")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from bench.paths import huge_pages_here
@@ -488,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = [a for a in args if a == "--insecure"]  # the initiator speaks as the nodes do
         routes[name] = ([x.endpoint for x in nodes], [x.proc.pid for x in nodes], extra, place.get("head", ()))
         paths.generate(routes[name][0], paths.PROMPT, 4, place.get("head", ()), extra=extra)  # warm-up
-    sides = ["whole", *rungs, *routes]
+    sides = ["whole", *rungs, *routes, *(["fresh"] if ns.fresh else [])]
     ratios: dict[str, list[float]] = {s: [] for s in sides[1:]}
     times: dict[str, list[float]] = {s: [] for s in sides}
     uses: dict[str, list[list[Any]]] = {s: [] for s in sides[1:]}
@@ -503,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
                     whole.send(ns.tokens)
                     got[side], ids = whole.recv()
                     ref = ref or ids
+                elif side == "fresh":  # a text prompt, as bench.sizes: its tokens are not compared here
+                    got[side] = 1 / paths.whole_decode(model, ns.threads, ns.tokens, place.get("whole", ()))[
+                        "decode_tps"]
+                    continue
                 elif side in routes:  # through meshnode generate, decode by difference (as bench.sizes)
                     got[side], _, use = _route_decode(*routes[side])
                     uses[side].append(use)
@@ -538,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
           f"the CPU beyond {ns.threads} threads' llama.cpp time (its handling, the transport, idle threads)")
     print("| side | head CPU | head llama.cpp | head beyond | tail CPU | tail llama.cpp | tail beyond | initiator |")
     print("|---|---|---|---|---|---|---|---|")
-    for s in sides[1:]:
+    for s in (s for s in sides[1:] if uses[s]):
         cpu = [[1e3 * statistics.median(float(u[i][j]) for u in uses[s]) for j in (0, 1)] for i in (0, 1)]
         over = [1e3 * statistics.median(float(u[i][0] - ns.threads * u[i][1]) for u in uses[s]) for i in (0, 1)]
         init = f"{1e3 * statistics.median(float(u[2]) for u in uses[s]):.2f}" if s in routes else ""
