@@ -15,6 +15,7 @@
     threads_batch = 2
     mmap = false                # read the range's weights (false) or map its file (true); default: by memory
     huge_pages = true           # weights read into memory and the KV cache in transparent huge pages
+    linger = 1.0                # seconds a node keeps its CPU awake between steps, at most (0: never)
     metrics = "127.0.0.1:9464"  # Prometheus /metrics (default: off)
     api = "127.0.0.1:8080"      # an OpenAI-compatible API over the mesh (default: off)
     api_key = "..."             # Bearer key the API requires (needed when api is not on loopback)
@@ -57,6 +58,7 @@ KEYS: dict[str, tuple[type, Any]] = {
     "threads_batch": (int, 0),
     "mmap": (bool, None),
     "huge_pages": (bool, None),
+    "linger": (float, None),
     "metrics": (str, None),
     "api": (str, None),
     "api_key": (str, None),

@@ -11,6 +11,7 @@ import argparse
 
 from meshnode import errors
 from meshnode.executor.config import ExecConfig
+from meshnode.executor.linger import check_cap
 
 
 def exec_config(ns: argparse.Namespace) -> ExecConfig:
@@ -30,6 +31,7 @@ def exec_config(ns: argparse.Namespace) -> ExecConfig:
         n_threads_batch=ns.threads_batch or base.n_threads_batch,
         inline_decode=not getattr(ns, "decode_on_worker", False),
         use_mmap=getattr(ns, "mmap", None),
+        linger=base.linger if getattr(ns, "linger", None) is None else check_cap(ns.linger, "--linger"),
     )
 
 

@@ -74,20 +74,21 @@ class CaptureState(ctypes.Structure):
     ]
 
 
-def _find_capture_library() -> Path:
+def native_library(stem: str) -> Path:
+    """The built file of native/'s ``stem`` (``_capture``, ``_linger``), beside this module."""
     here = Path(__file__).parent
-    found = sorted(here.glob("_capture*.so"))
+    found = sorted(here.glob(f"{stem}*.so"))
     if not found:
         raise ExecutorError(
-            f"the native capture library is not built (no _capture*.so in {here}); "
-            "reinstall meshnode with `pip install .` so setup.py compiles native/capture.c"
+            f"the native library {stem} is not built (no {stem}*.so in {here}); "
+            "reinstall meshnode with `pip install .` so setup.py compiles native/"
         )
     return found[0]
 
 
 @functools.cache
 def capture_library() -> ctypes.CDLL:
-    return ctypes.CDLL(str(_find_capture_library()))
+    return ctypes.CDLL(str(native_library("_capture")))
 
 
 @functools.cache

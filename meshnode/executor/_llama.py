@@ -35,6 +35,7 @@ from meshnode.errors import (
 from meshnode.executor import _bindings
 from meshnode.executor.config import ExecConfig
 from meshnode.executor.context import mem_available, resolve_ctx
+from meshnode.executor.linger import Linger
 from meshnode.executor.weights import resolve_mmap
 from meshnode.gguf.arch import InputScale
 from meshnode.gguf.archtable import POLICIES
@@ -276,6 +277,9 @@ class LlamaRange:
             pool = _bindings.attach_threadpool(self._ctx, most, c.poll)
             self._stack.callback(_bindings.free_threadpool, self._ctx, pool)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
+        #: keeps this range's CPU awake between steps, for a while (executor/linger.py)
+        self.linger = Linger(c.linger)
+        self._stack.callback(self.linger.close)
         #: threads of a batch of single-token steps; the executor sets it before each batch (api.py)
         self.decode_threads = c.n_threads
         self._threads = (c.n_threads, c.n_threads_batch)  # what llama.cpp was last told
@@ -458,7 +462,11 @@ class LlamaRange:
         if threads != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx, *threads)
             self._threads = threads
-        rc = llama_cpp.llama_decode(self._ctx, batch)
+        self.linger.busy()
+        try:
+            rc = llama_cpp.llama_decode(self._ctx, batch)
+        finally:
+            self.linger.idle()
         if rc != 0:
             # positions may be half-written: drop what this step added
             for seq, _ in parts:

@@ -39,6 +39,12 @@ def _poll() -> int:
     return int(raw)
 
 
+def _linger() -> float:
+    from meshnode.executor.linger import cap_from_env
+
+    return cap_from_env()
+
+
 @dataclass(frozen=True)
 class ExecConfig:
     #: KV cells per session (llama.cpp sequence), ``--ctx-size``: a prompt plus its output must fit.
@@ -83,6 +89,9 @@ class ExecConfig:
     #: how long an idle thread of the context's ggml pool (a llama.cpp without OpenMP) polls for the next
     #: graph before it sleeps, 0..100 (ggml's scale; 0 sleeps at once). Not a numerics setting.
     poll: int = field(default_factory=_poll)
+    #: the most seconds a range keeps its CPU awake after a step, waiting for the next one (executor/
+    #: linger.py; ``MESHNODE_LINGER``, 0: never). Not a numerics setting.
+    linger: float = field(default_factory=_linger)
 
     def numerics(self) -> dict[str, int | bool]:
         """The settings that change numerics; hops of one route must agree on them."""
