@@ -39,6 +39,8 @@ struct mn_linger {
     int64_t until;  /* CLOCK_MONOTONIC ns */
     uint64_t spins; /* lingers ended by busy() (the step came in time) */
     uint64_t lapses; /* lingers that reached their deadline */
+    uint64_t wall_ns; /* lingers' time, start to end */
+    uint64_t cpu_ns;  /* of it, the time this thread had a core (others took the rest) */
 };
 
 /* No pause hint: with one, lingering gained nothing in turn (docs/performance.md), likely because
@@ -51,6 +53,12 @@ static inline void relax(void) {
 static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline int64_t cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
@@ -70,6 +78,7 @@ static void *run(void *arg) {
         served = l->gen;
         int64_t until = l->until;
         pthread_mutex_unlock(&l->mu);
+        int64_t w0 = now_ns(), c0 = cpu_ns();
         int stopped = 0;
         while (!stopped) {
             for (int i = 0; i < 256; i++) {
@@ -83,7 +92,10 @@ static void *run(void *arg) {
                 break;
             }
         }
+        int64_t w1 = now_ns(), c1 = cpu_ns();
         pthread_mutex_lock(&l->mu);
+        l->wall_ns += (uint64_t)(w1 - w0);
+        l->cpu_ns += (uint64_t)(c1 - c0);
         if (stopped) {
             l->spins++;
         } else {
@@ -126,11 +138,14 @@ void mn_linger_busy(struct mn_linger *l) {
     __atomic_store_n(&l->stop, 1, __ATOMIC_RELAXED);
 }
 
-/* How the lingers ended so far: [0] the step came in time, [1] the deadline came first. */
-void mn_linger_counts(struct mn_linger *l, uint64_t out[2]) {
+/* The lingers so far: [0] ended by the next step, [1] by the deadline, [2] their wall time and [3] the
+ * CPU time the spinner got in it (ns): a spinner at SCHED_IDLE gets little where others want the core. */
+void mn_linger_counts(struct mn_linger *l, uint64_t out[4]) {
     pthread_mutex_lock(&l->mu);
     out[0] = l->spins;
     out[1] = l->lapses;
+    out[2] = l->wall_ns;
+    out[3] = l->cpu_ns;
     pthread_mutex_unlock(&l->mu);
 }
 

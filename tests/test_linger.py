@@ -2,7 +2,8 @@
 
 * the window is twice the last gap between steps, at most the cap, none before a gap is known;
 * the native spinner ends when the next step comes, or at its deadline, and then uses no CPU;
-* ``MESHNODE_LINGER`` is checked: a bad value is a typed error naming the variable, at serve too;
+* ``MESHNODE_LINGER`` and ``--linger`` are checked: a bad value is a typed error naming it (at serve:
+  tests/test_openmp.py);
 * a range decodes the same tokens lingering or not.
 """
 
@@ -19,7 +20,8 @@ import pytest
 
 from meshnode.errors import InputError
 from meshnode.executor import linger
-from meshnode.executor.linger import Linger, window
+from meshnode.executor.linger import REST, Linger, window, worth
+from meshnode.runtime.launch import taskset
 
 
 def test_the_window_is_twice_the_last_gap_at_most_the_cap() -> None:
@@ -28,6 +30,12 @@ def test_the_window_is_twice_the_last_gap_at_most_the_cap() -> None:
     assert window(3.0, 1.0) == 1.0
     assert window(0.08, 0.0) == 0.0  # lingering off
     assert window(-0.5, 1.0) == 0.0  # a clock step backwards is no gap
+
+
+def test_a_linger_is_worth_it_only_where_it_had_its_core() -> None:
+    assert worth(0.0, 0.001) is None  # too little measured
+    assert worth(0.095, 0.1) is True
+    assert worth(0.01, 0.1) is False  # other work had the core: it would not have idled
 
 
 def _wait_for(pred: object, timeout: float = 20.0) -> bool:
@@ -67,6 +75,36 @@ def test_the_spinner_ends_at_the_next_step_or_its_deadline_and_then_rests() -> N
     lg.close()  # twice is harmless
 
 
+def test_a_spinner_that_shares_its_core_with_other_work_rests() -> None:
+    """A busy process of normal priority on the spinner's only CPU: the spinner (SCHED_IDLE) gets next
+    to none of its lingers' time, and the range stops lingering for REST steps."""
+    mine = os.sched_getaffinity(0)
+    cpu = min(mine)
+    hog = subprocess.Popen([*taskset((cpu,)), sys.executable, "-c", "while True: pass"])
+    os.sched_setaffinity(0, {cpu})  # this thread's; the spinner's thread inherits it
+    lg = Linger(1.0)
+    try:
+        lg.busy()
+        lg.idle()
+
+        def cycle() -> bool:
+            time.sleep(0.05)
+            lg.busy()
+            lg.idle()
+            return lg.resting > 0
+
+        assert _wait_for(cycle, timeout=60), lg.cpu_share()
+        assert lg.resting == REST - 1  # this step's linger skipped already
+        share = lg.cpu_share()
+        assert share is not None
+        assert share < 0.5, share
+    finally:
+        lg.close()
+        os.sched_setaffinity(0, mine)
+        hog.kill()
+        hog.wait()
+
+
 def test_no_cap_no_thread() -> None:
     lg = Linger(0.0)
     lg.busy()
@@ -87,16 +125,6 @@ def test_the_linger_setting_is_read_from_the_environment(monkeypatch: pytest.Mon
     assert linger.cap_from_env() == linger.CAP
     monkeypatch.setenv("MESHNODE_LINGER", "0.25")
     assert linger.cap_from_env() == 0.25
-
-
-def test_a_malformed_linger_is_a_typed_error_at_serve(tmp_path: Path) -> None:
-    env = {**os.environ, "MESHNODE_LINGER": "soon", "XDG_STATE_HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "meshnode", "serve", "--model", str(tmp_path / "m.gguf"),
-                          "--layers", "0:15", "--state-dir", str(tmp_path / "state")],
-                         capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode != 0
-    assert "MESHNODE_LINGER must be seconds from 0" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
 
 
 def test_a_range_decodes_the_same_lingering_or_not(model: Path) -> None:

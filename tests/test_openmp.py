@@ -334,12 +334,16 @@ def test_fewer_threads_take_over_only_when_clearly_faster() -> None:
     assert c.pick() == 1
 
 
-@pytest.mark.parametrize("value", ["fast", "-1", "101", ""])
-def test_a_malformed_poll_level_is_a_typed_error_at_serve(value: str, tmp_path: Path) -> None:
-    env = {**os.environ, "MESHNODE_POLL": value, "XDG_STATE_HOME": str(tmp_path)}
+@pytest.mark.parametrize(("var", "value", "message"), [
+    *(("MESHNODE_POLL", v, "MESHNODE_POLL must be a whole number from 0 to 100") for v in ("fast", "-1", "101", "")),
+    *(("MESHNODE_LINGER", v, "MESHNODE_LINGER must be seconds from 0") for v in ("soon", "-1", "11", "nan")),
+])
+def test_a_malformed_executor_variable_is_a_typed_error_at_serve(var: str, value: str, message: str,
+                                                                 tmp_path: Path) -> None:
+    env = {**os.environ, var: value, "XDG_STATE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "meshnode", "serve", "--model", str(tmp_path / "m.gguf"),
                           "--layers", "0:15", "--state-dir", str(tmp_path / "state")],
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode != 0
-    assert "MESHNODE_POLL must be a whole number from 0 to 100" in out.stderr, out.stderr
+    assert message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr

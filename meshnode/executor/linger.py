@@ -1,10 +1,12 @@
 """Keep a hop's CPU awake between decode steps, for a while (native/linger.c says why).
 
 After each ``llama_decode`` a range lingers: a thread of its own (C, at SCHED_IDLE, never holding
-the GIL) spins until the next step comes or ``window`` runs out. The spinner only takes a core
-nothing else wants, and it stops within microseconds of the next step, so it costs the machine's
-other work nothing measurable; what it costs is the CPU of an otherwise idle core, at most ``cap``
-seconds after a range's last step. ``window`` is the decision, a pure function.
+the GIL) spins until the next step comes or ``window`` runs out. It costs the CPU of an otherwise idle
+core, at most ``cap`` seconds after a range's last step. Where other work wants the cores while the
+range waits (the other hops of a route on the same machine), the core would not idle anyway, and a
+spinner there measured 5% slower routes: so a linger that got less than ``SHARE`` of its time on a
+core stops lingering for ``REST`` steps, then tries again. ``window`` and ``worth`` are the decisions,
+pure functions.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from meshnode.errors import ExecutorError, InputError
 #: the most seconds a range lingers after a step (``MESHNODE_LINGER``): covers the other hops' step of
 #: a dense model of several GB on one core; after a generation's last step a hop spins at most this long
 CAP = 1.0
+#: a linger that had a core for less of its time than this shared it with other work
+SHARE = 0.5
+#: steps without lingering after lingers that shared their core, before the next try
+REST = 64
+#: lingers are judged once they add up to this much time (seconds)
+JUDGED = 0.005
 
 
 def window(gap: float | None, cap: float) -> float:
@@ -27,6 +35,14 @@ def window(gap: float | None, cap: float) -> float:
     if gap is None or cap <= 0:
         return 0.0
     return min(cap, 2.0 * max(gap, 0.0))
+
+
+def worth(cpu: float, wall: float) -> bool | None:
+    """Whether lingers that took ``wall`` seconds, ``cpu`` of them on a core, had their core to themselves
+    (the core would have idled without them): None while under ``JUDGED`` seconds have been measured."""
+    if wall < JUDGED:
+        return None
+    return cpu >= SHARE * wall
 
 
 def check_cap(raw: str | float, name: str) -> float:
@@ -58,7 +74,7 @@ def _lib() -> ctypes.CDLL:
     lib.mn_linger_busy.restype = None
     lib.mn_linger_busy.argtypes = [ctypes.c_void_p]
     lib.mn_linger_counts.restype = None
-    lib.mn_linger_counts.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64 * 2)]
+    lib.mn_linger_counts.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64 * 4)]
     lib.mn_linger_free.restype = None
     lib.mn_linger_free.argtypes = [ctypes.c_void_p]
     return lib
@@ -74,6 +90,9 @@ class Linger:
         self._handle: int | None = None
         self._ended: float | None = None  # monotonic time the last step ended
         self._gap: float | None = None
+        self._judged = (0, 0)  # (wall, cpu) ns of the lingers judged so far
+        #: steps left without lingering (lingers shared their core)
+        self.resting = 0
         if cap > 0:
             self._handle = _lib().mn_linger_new()
             if not self._handle:
@@ -88,16 +107,33 @@ class Linger:
     def idle(self) -> None:
         now = time.monotonic_ns()
         self._ended = now / 1e9
-        if self._handle and (w := window(self._gap, self.cap)) > 0:
+        if not self._handle:
+            return
+        _, _, wall, cpu = self._counts()
+        verdict = worth((cpu - self._judged[1]) / 1e9, (wall - self._judged[0]) / 1e9)
+        if verdict is not None:  # the lingers since the last verdict
+            self.resting = 0 if verdict else REST
+            self._judged = (wall, cpu)
+        if self.resting:
+            self.resting -= 1
+        elif (w := window(self._gap, self.cap)) > 0:
             _lib().mn_linger_idle(self._handle, now + int(w * 1e9))
+
+    def _counts(self) -> tuple[int, int, int, int]:
+        out = (ctypes.c_uint64 * 4)()
+        _lib().mn_linger_counts(self._handle, ctypes.byref(out))
+        return int(out[0]), int(out[1]), int(out[2]), int(out[3])
 
     def counts(self) -> tuple[int, int]:
         """Lingers so far that (the next step ended, the deadline ended)."""
+        return self._counts()[:2] if self._handle else (0, 0)
+
+    def cpu_share(self) -> float | None:
+        """Of all lingers' time so far, the share the spinner had a core (None before any)."""
         if not self._handle:
-            return 0, 0
-        out = (ctypes.c_uint64 * 2)()
-        _lib().mn_linger_counts(self._handle, ctypes.byref(out))
-        return int(out[0]), int(out[1])
+            return None
+        _, _, wall, cpu = self._counts()
+        return cpu / wall if wall else None
 
     def close(self) -> None:
         if self._handle:
