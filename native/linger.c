@@ -15,7 +15,10 @@
  * else on the machine wants it): mn_linger_idle(until) has it spin until the
  * monotonic clock reaches ``until`` or mn_linger_busy() is called (the next
  * step came); otherwise it sleeps on a condition variable and uses no CPU.
- * Pure C with its own pthread, so the spin never holds Python's GIL.
+ * It counts its lingers' wall time and its own CPU time in them: where other
+ * work wants the core, a SCHED_IDLE spinner gets little of it, and the
+ * caller stops lingering there. Pure C with its own pthread, so the spin
+ * never holds Python's GIL.
  * meshnode/executor/linger.py decides how long to linger; this file only
  * does it.
  *
@@ -34,6 +37,7 @@ struct mn_linger {
     pthread_cond_t cv;
     pthread_t thread;
     int stop;       /* set by busy(): end the spin now (read without the lock) */
+    int64_t stopped_at; /* when busy() set it: a spinner preempted by the step notices later */
     int closed;
     uint64_t gen;   /* bumped by every idle() */
     int64_t until;  /* CLOCK_MONOTONIC ns */
@@ -82,7 +86,7 @@ static void *run(void *arg) {
         int stopped = 0;
         while (!stopped) {
             for (int i = 0; i < 256; i++) {
-                if (__atomic_load_n(&l->stop, __ATOMIC_RELAXED)) {
+                if (__atomic_load_n(&l->stop, __ATOMIC_ACQUIRE)) {
                     stopped = 1;
                     break;
                 }
@@ -93,6 +97,10 @@ static void *run(void *arg) {
             }
         }
         int64_t w1 = now_ns(), c1 = cpu_ns();
+        if (stopped) { /* the linger ended when busy() was called, not when this thread next ran */
+            int64_t at = __atomic_load_n(&l->stopped_at, __ATOMIC_RELAXED);
+            w1 = at < w0 ? w0 : (at < w1 ? at : w1);
+        }
         pthread_mutex_lock(&l->mu);
         l->wall_ns += (uint64_t)(w1 - w0);
         l->cpu_ns += (uint64_t)(c1 - c0);
@@ -135,7 +143,8 @@ void mn_linger_idle(struct mn_linger *l, int64_t until_ns) {
 
 /* A step starts: end the spin (lock-free; the thread sees it within a few hundred pauses). */
 void mn_linger_busy(struct mn_linger *l) {
-    __atomic_store_n(&l->stop, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&l->stopped_at, now_ns(), __ATOMIC_RELAXED);
+    __atomic_store_n(&l->stop, 1, __ATOMIC_RELEASE);
 }
 
 /* The lingers so far: [0] ended by the next step, [1] by the deadline, [2] their wall time and [3] the

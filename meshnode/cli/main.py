@@ -87,7 +87,7 @@ def _add_exec_flags(p: argparse.ArgumentParser) -> None:
                    help="after each step, keep this node's CPU awake for the next one, up to twice the last gap "
                         "between steps and at most SECONDS (default 1, or MESHNODE_LINGER; 0: never): a core "
                         "that idles between steps wakes slower (docs/performance.md, \"Lingering between steps\"). "
-                        "The spinner runs at the lowest priority and yields to any other work")
+                        "The spinner runs at the lowest priority and rests where other work took its core")
     p.add_argument("--decode-on-worker", action="store_true",
                    help="hand single-token decode steps to the llama.cpp worker thread too (default: they run "
                         "on the data-plane loop's thread, two thread wake-ups less per step)")
