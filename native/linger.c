@@ -86,7 +86,10 @@ static void *run(void *arg) {
         int stopped = 0;
         while (!stopped) {
             for (int i = 0; i < 256; i++) {
-                if (__atomic_load_n(&l->stop, __ATOMIC_ACQUIRE)) {
+                /* a new idle() also ends it: the step came and went while this thread was preempted,
+                 * and idle() cleared ``stop`` again before it could see it */
+                if (__atomic_load_n(&l->stop, __ATOMIC_ACQUIRE) ||
+                    __atomic_load_n(&l->gen, __ATOMIC_ACQUIRE) != served) {
                     stopped = 1;
                     break;
                 }
@@ -136,7 +139,7 @@ void mn_linger_idle(struct mn_linger *l, int64_t until_ns) {
     pthread_mutex_lock(&l->mu);
     l->until = until_ns;
     __atomic_store_n(&l->stop, 0, __ATOMIC_RELAXED);
-    l->gen++;
+    __atomic_store_n(&l->gen, l->gen + 1, __ATOMIC_RELEASE);
     pthread_cond_signal(&l->cv);
     pthread_mutex_unlock(&l->mu);
 }
