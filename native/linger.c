@@ -144,7 +144,7 @@ void mn_linger_idle(struct mn_linger *l, int64_t until_ns) {
     pthread_mutex_unlock(&l->mu);
 }
 
-/* A step starts: end the spin (lock-free; the thread sees it within a few hundred pauses). */
+/* A step starts: end the spin (lock-free; the thread sees it within a few hundred rounds of its loop). */
 void mn_linger_busy(struct mn_linger *l) {
     __atomic_store_n(&l->stopped_at, now_ns(), __ATOMIC_RELAXED);
     __atomic_store_n(&l->stop, 1, __ATOMIC_RELEASE);

@@ -4,7 +4,7 @@ After each ``llama_decode`` a range lingers: a thread of its own (C, at SCHED_ID
 the GIL) spins until the next step comes or ``window`` runs out. It costs the CPU of an otherwise idle
 core, at most ``cap`` seconds after a range's last step. Where other work wants the cores while the
 range waits (the other hops of a route on the same machine), the core would not idle anyway, and a
-spinner there measured 5% slower routes: so a linger that got less than ``SHARE`` of its time on a
+spinner there measured ~4% slower routes: so a linger that got less than ``SHARE`` of its time on a
 core stops lingering for ``REST`` steps, then tries again. ``window`` and ``worth`` are the decisions,
 pure functions.
 """
