@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +39,10 @@ def test_a_linger_is_worth_it_only_where_it_had_its_core() -> None:
     assert worth(0.01, 0.1) is False  # other work had the core: it would not have idled
 
 
-def _wait_for(pred: object, timeout: float = 20.0) -> bool:
+def _wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if pred():  # type: ignore[operator]
+        if pred():
             return True
         time.sleep(0.01)
     return False

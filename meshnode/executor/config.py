@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshnode.executor.cpus import usable_cpus
+from meshnode.executor.linger import cap_from_env
 
 
 def _cpus() -> int:
@@ -37,12 +38,6 @@ def _poll() -> int:
     if not raw.strip().isdigit() or int(raw) > 100:
         raise InputError(f"MESHNODE_POLL must be a whole number from 0 to 100 (ggml's polling level), not {raw!r}")
     return int(raw)
-
-
-def _linger() -> float:
-    from meshnode.executor.linger import cap_from_env
-
-    return cap_from_env()
 
 
 @dataclass(frozen=True)
@@ -91,7 +86,7 @@ class ExecConfig:
     poll: int = field(default_factory=_poll)
     #: the most seconds a range keeps its CPU awake after a step, waiting for the next one (executor/
     #: linger.py; ``MESHNODE_LINGER``, 0: never). Not a numerics setting.
-    linger: float = field(default_factory=_linger)
+    linger: float = field(default_factory=cap_from_env)
 
     def numerics(self) -> dict[str, int | bool]:
         """The settings that change numerics; hops of one route must agree on them."""
